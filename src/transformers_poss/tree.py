@@ -1,0 +1,107 @@
+"""Draft trees: the data structure a draft proposes and the target verifies.
+
+A tree has ``n`` nodes, root first. The root is the last token the target produced (not yet in the target's
+cache); every other node is a draft token. All functions here are pure tensor functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """A draft tree over ``n`` nodes, root first.
+
+    Attributes:
+        tokens (`torch.LongTensor` of shape `[n]`): node tokens; ``tokens[0]`` is the root.
+        parents (`torch.LongTensor` of shape `[n]`): parent node index; ``parents[0] == -1``. Parents come before
+            their children (``parents[i] < i``).
+        depths (`torch.LongTensor` of shape `[n]`): depth of each node; the root has depth 0.
+        tree_mask (`torch.BoolTensor` of shape `[n, n]`): ``tree_mask[i, j]`` is True when node ``j`` is node ``i``
+            itself or one of its ancestors.
+        scores (`torch.FloatTensor` of shape `[n]`, *optional*): cumulative draft log-probability of each node (0 for
+            the root).
+    """
+
+    tokens: torch.LongTensor
+    parents: torch.LongTensor
+    depths: torch.LongTensor
+    tree_mask: torch.BoolTensor
+    scores: torch.FloatTensor | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max().item())
+
+    def position_ids(self, context_length: int) -> torch.LongTensor:
+        """Position of every node when the root sits at position ``context_length``: shape `[n]`."""
+        return self.depths + context_length
+
+    def paths(self) -> set[tuple[int, ...]]:
+        """The set of root-to-node token paths (root token excluded), for comparing trees regardless of node order."""
+        tokens = self.tokens.tolist()
+        mask = self.tree_mask.tolist()
+        depths = self.depths.tolist()
+        out = set()
+        for i in range(1, len(tokens)):
+            ancestors = sorted((j for j in range(len(tokens)) if mask[i][j] and j != 0), key=lambda j: depths[j])
+            out.add(tuple(tokens[j] for j in ancestors))
+        return out
+
+    def to(self, device) -> "DraftTree":
+        return DraftTree(
+            tokens=self.tokens.to(device),
+            parents=self.parents.to(device),
+            depths=self.depths.to(device),
+            tree_mask=self.tree_mask.to(device),
+            scores=None if self.scores is None else self.scores.to(device),
+        )
+
+
+def ancestor_mask_from_parents(parents: torch.LongTensor) -> torch.BoolTensor:
+    """Build the `[n, n]` ancestor-or-self mask from a parent vector (``parents[i] < i``, root ``-1``).
+
+    Vectorised by repeated squaring of the parent relation: ``O(log depth)`` matrix products, no loop over nodes.
+    """
+    n = parents.shape[0]
+    device = parents.device
+    eye = torch.eye(n, dtype=torch.bool, device=device)
+    step = torch.zeros(n, n, dtype=torch.bool, device=device)
+    has_parent = parents >= 0
+    rows = torch.arange(n, device=device)[has_parent]
+    step[rows, parents[has_parent]] = True
+    reach = eye | step
+    # reach^(2^k) covers paths of length up to 2^k
+    length = 1
+    while length < n:
+        nxt = (reach.float() @ reach.float()) > 0
+        if torch.equal(nxt, reach):
+            break
+        reach = nxt
+        length *= 2
+    return reach
+
+
+def tree_attention_mask(
+    tree_mask: torch.BoolTensor, past_length: int, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The 4D mask for verifying a tree on top of ``past_length`` cached positions.
+
+    Returns shape `[1, 1, n, past_length + n]`: every node sees the whole cached context, its ancestors and itself.
+    With ``dtype`` None a boolean mask (True = attend) is returned (sdpa); with a float dtype an additive mask
+    (0 / finfo.min), which both sdpa and eager accept.
+    """
+    n = tree_mask.shape[0]
+    ctx = torch.ones(n, past_length, dtype=torch.bool, device=tree_mask.device)
+    full = torch.cat([ctx, tree_mask], dim=1)[None, None]
+    if dtype is None:
+        return full
+    out = torch.zeros(full.shape, dtype=dtype, device=full.device)
+    return out.masked_fill_(~full, torch.finfo(dtype).min)
