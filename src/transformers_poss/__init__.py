@@ -1,3 +1,26 @@
-"""PosS (Position Specialists) tree speculative decoding for Hugging Face transformers."""
+"""PosS (Position Specialists) tree speculative decoding for Hugging Face transformers.
+
+Importing the package registers the Auto classes (``AutoConfig`` / ``AutoModel`` for ``model_type="poss_draft"``)
+and makes ``generate(assistant_model=draft)`` run tree speculation when ``draft`` is a [`PosSDraftModel`].
+"""
+
+from transformers import AutoConfig, AutoModel
+
+from .configuration_poss import PosSDraftConfig
+from .modeling_poss import PosSDraftCache, PosSDraftModel, PosSDraftOutput
+from .proposer import PosSProposer
+from .tree import DraftTree
 
 __version__ = "0.1.0"
+
+AutoConfig.register(PosSDraftConfig.model_type, PosSDraftConfig, exist_ok=True)
+AutoModel.register(PosSDraftConfig, PosSDraftModel, exist_ok=True)
+
+try:  # the generation hook lives in its own module
+    from .generation import install_generation_hook as _install_generation_hook
+except ImportError:  # pragma: no cover - only while the module is absent
+    _install_generation_hook = None
+else:
+    _install_generation_hook()
+
+__all__ = ["PosSDraftConfig", "PosSDraftModel", "PosSDraftOutput", "PosSDraftCache", "PosSProposer", "DraftTree"]

@@ -1,0 +1,210 @@
+"""Configuration of PosS draft models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedConfig
+
+_DEFAULT_TREE = {"tree_depth": 6, "tree_top_k": 10, "tree_total_tokens": 60}
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+    return value
+
+
+class PosSDraftConfig(PreTrainedConfig):
+    r"""Configuration of a [`PosSDraftModel`]: an EAGLE-style feature draft with position-specialist layers.
+
+    The draft fuses the target's embedding of token ``x_{t+1}`` with the target's feature ``f_t`` through ``fc`` and
+    runs one of ``num_specialists`` Llama-style decoder layers (no input norm, no final norm) over it. Draft step
+    ``j`` (``j = 0`` produces depth 1) uses specialist ``min(j // positions_per_specialist, num_specialists - 1)``.
+    EAGLE-2 and HASS drafts are the case ``num_specialists = 1``.
+
+    Args:
+        vocab_size (`int`): vocabulary of the target (size of its lm_head).
+        hidden_size (`int`): the target's hidden size (feature size).
+        intermediate_size (`int`): MLP width of every specialist layer.
+        num_attention_heads (`int`), num_key_value_heads (`int`), head_dim (`int`, *optional*): attention shape.
+        rms_norm_eps (`float`): epsilon of the post-attention RMSNorm.
+        rope_parameters (`dict`, *optional*): RoPE settings as in transformers (``rope_type``, ``rope_theta``, ...).
+        max_position_embeddings (`int`): longest sequence the draft (and its target) handle.
+        num_specialists (`int`): S, the number of specialist decoder layers.
+        positions_per_specialist (`int`): N, consecutive draft positions each specialist handles (PosS-N).
+        fc_bias (`bool`): whether the fusion layer has a bias.
+        tree_depth / tree_top_k / tree_total_tokens (`int`): default draft-tree shape (copied to the model's
+            ``generation_config``).
+        draft_vocab_size (`int`, *optional*): size of a reduced drafting vocabulary (a token map is then stored in
+            the checkpoint); None drafts over the full vocabulary.
+        own_embeddings (`bool`): the draft carries its own token embedding (saved) instead of borrowing the target's.
+        target_model_type / target_name_or_path / target_vocab_size / target_hidden_size: fingerprint of the target
+            the draft was made for; checked when the draft is attached.
+    """
+
+    model_type = "poss_draft"
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        hidden_size: int = 4096,
+        intermediate_size: int = 14336,
+        num_attention_heads: int = 32,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+        hidden_act: str = "silu",
+        rms_norm_eps: float = 1e-6,
+        rope_parameters: dict | None = None,
+        max_position_embeddings: int = 8192,
+        num_specialists: int = 1,
+        positions_per_specialist: int = 1,
+        fc_bias: bool = True,
+        initializer_range: float = 0.02,
+        tree_depth: int = _DEFAULT_TREE["tree_depth"],
+        tree_top_k: int = _DEFAULT_TREE["tree_top_k"],
+        tree_total_tokens: int = _DEFAULT_TREE["tree_total_tokens"],
+        draft_vocab_size: int | None = None,
+        own_embeddings: bool = False,
+        target_model_type: str | None = None,
+        target_name_or_path: str | None = None,
+        target_vocab_size: int | None = None,
+        target_hidden_size: int | None = None,
+        training_depth: int | None = None,
+        **kwargs,
+    ):
+        self.vocab_size = _positive_int("vocab_size", vocab_size)
+        self.hidden_size = _positive_int("hidden_size", hidden_size)
+        self.intermediate_size = _positive_int("intermediate_size", intermediate_size)
+        self.num_attention_heads = _positive_int("num_attention_heads", num_attention_heads)
+        self.num_key_value_heads = _positive_int(
+            "num_key_value_heads", num_attention_heads if num_key_value_heads is None else num_key_value_heads
+        )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"`num_attention_heads` ({num_attention_heads}) must be a multiple of `num_key_value_heads` "
+                f"({self.num_key_value_heads})."
+            )
+        if head_dim is None:
+            if hidden_size % num_attention_heads:
+                raise ValueError(
+                    f"`hidden_size` ({hidden_size}) is not divisible by `num_attention_heads` ({num_attention_heads});"
+                    " pass `head_dim` explicitly."
+                )
+            head_dim = hidden_size // num_attention_heads
+        self.head_dim = _positive_int("head_dim", head_dim)
+        self.hidden_act = hidden_act
+        if rms_norm_eps <= 0:
+            raise ValueError(f"`rms_norm_eps` must be > 0, got {rms_norm_eps}.")
+        self.rms_norm_eps = float(rms_norm_eps)
+        rope = dict(rope_parameters or {})
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        rope.setdefault("rope_theta", float(kwargs.pop("rope_theta", 10000.0)))
+        self.rope_parameters = rope
+        self.max_position_embeddings = _positive_int("max_position_embeddings", max_position_embeddings)
+        self.num_specialists = _positive_int("num_specialists", num_specialists)
+        self.positions_per_specialist = _positive_int("positions_per_specialist", positions_per_specialist)
+        derived = self.num_specialists * self.positions_per_specialist
+        if training_depth is not None and training_depth != derived:
+            raise ValueError(
+                f"`training_depth` is derived as num_specialists * positions_per_specialist = {derived}; got "
+                f"{training_depth}. Leave it unset."
+            )
+        self.fc_bias = bool(fc_bias)
+        self.initializer_range = initializer_range
+        self.tree_depth = _positive_int("tree_depth", tree_depth)
+        self.tree_top_k = _positive_int("tree_top_k", tree_top_k)
+        self.tree_total_tokens = _positive_int("tree_total_tokens", tree_total_tokens)
+        if self.tree_total_tokens < 2:
+            raise ValueError("`tree_total_tokens` counts the root too and must be at least 2.")
+        if draft_vocab_size is not None:
+            _positive_int("draft_vocab_size", draft_vocab_size)
+            if draft_vocab_size > self.vocab_size:
+                raise ValueError(f"`draft_vocab_size` ({draft_vocab_size}) exceeds `vocab_size` ({self.vocab_size}).")
+        self.draft_vocab_size = draft_vocab_size
+        self.own_embeddings = bool(own_embeddings)
+        self.target_model_type = target_model_type
+        self.target_name_or_path = target_name_or_path
+        self.target_vocab_size = target_vocab_size
+        self.target_hidden_size = target_hidden_size
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def training_depth(self) -> int:
+        """K = num_specialists * positions_per_specialist: the draft depth the specialists were trained for."""
+        return self.num_specialists * self.positions_per_specialist
+
+    def specialist_for_step(self, step: int) -> int:
+        """Specialist used by draft step ``step`` (step 0 yields depth 1): ``min(step // N, S - 1)``."""
+        return min(step // self.positions_per_specialist, self.num_specialists - 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out["training_depth"] = self.training_depth
+        return out
+
+    # ------------------------------------------------------------------ target fingerprint
+    @classmethod
+    def for_target(
+        cls,
+        target_config,
+        num_specialists: int = 1,
+        positions_per_specialist: int = 1,
+        intermediate_size: int | None = None,
+        fc_bias: bool = True,
+        name_or_path: str | None = None,
+        **kwargs,
+    ) -> "PosSDraftConfig":
+        """A draft config whose layer shape, vocabulary, RoPE and fingerprint come from ``target_config``.
+
+        ``target_config`` is the target's ``config`` (its text config is used for multimodal models).
+        """
+        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        rope = getattr(text, "rope_parameters", None)
+        if isinstance(rope, dict) and "full_attention" in rope:  # per-layer-type rope (Gemma 3)
+            rope = rope["full_attention"]
+        if rope is None:
+            rope = {"rope_type": "default", "rope_theta": getattr(text, "rope_theta", 10000.0)}
+        num_heads = text.num_attention_heads
+        return cls(
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            intermediate_size=intermediate_size or text.intermediate_size,
+            num_attention_heads=num_heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // num_heads,
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            rope_parameters=dict(rope),
+            max_position_embeddings=getattr(text, "max_position_embeddings", 8192),
+            num_specialists=num_specialists,
+            positions_per_specialist=positions_per_specialist,
+            fc_bias=fc_bias,
+            target_model_type=text.model_type,
+            target_name_or_path=name_or_path or getattr(target_config, "_name_or_path", None) or None,
+            target_vocab_size=text.vocab_size,
+            target_hidden_size=text.hidden_size,
+            bos_token_id=getattr(text, "bos_token_id", None),
+            eos_token_id=getattr(text, "eos_token_id", None),
+            pad_token_id=getattr(text, "pad_token_id", None),
+            **kwargs,
+        )
+
+    def check_target(self, target_config) -> None:
+        """Raise a ValueError if ``target_config`` does not fit this draft (vocabulary, hidden size, model type)."""
+        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        problems = []
+        if text.hidden_size != self.hidden_size:
+            problems.append(f"hidden size {text.hidden_size} != draft's {self.hidden_size}")
+        target_vocab = text.vocab_size
+        if target_vocab != self.vocab_size:
+            problems.append(f"vocab size {target_vocab} != draft's {self.vocab_size}")
+        if self.target_model_type and text.model_type != self.target_model_type:
+            problems.append(f"model type {text.model_type!r} != {self.target_model_type!r} the draft was made for")
+        if problems:
+            made_for = self.target_name_or_path or self.target_model_type or "another model"
+            raise ValueError(
+                f"This PosS draft was made for {made_for} and does not fit this target: " + "; ".join(problems)
+                + ". Use a draft built for this target (PosSDraftConfig.for_target(target.config, ...))."
+            )

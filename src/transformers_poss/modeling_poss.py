@@ -1,0 +1,390 @@
+"""PosS draft model: an EAGLE-style feature head with position-specialist decoder layers.
+
+Read top-down: helpers -> attention -> decoder layer -> cache -> model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.modeling_outputs import ModelOutput
+from transformers.models.llama.modeling_llama import (
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    repeat_kv,
+)
+
+from .configuration_poss import PosSDraftConfig
+
+TREE_GENERATION_KEYS = ("tree_depth", "tree_top_k", "tree_total_tokens")
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def causal_mask(query_length: int, past_length: int, device) -> torch.BoolTensor:
+    """Bool mask `[1, 1, q, past + q]`: query ``i`` (at position ``past + i``) sees keys ``0 .. past + i``."""
+    keys = torch.arange(past_length + query_length, device=device)
+    queries = torch.arange(query_length, device=device) + past_length
+    return (keys[None, :] <= queries[:, None])[None, None]
+
+
+def as_bool_mask(attention_mask: torch.Tensor, query_length: int, past_length: int) -> torch.BoolTensor:
+    """Turn a user mask into a bool `[B|1, 1, q, past + q]` mask (True = attend).
+
+    Accepts a 2D padding mask `[B, past + q]` (combined with causality), or a 4D bool / additive float mask.
+    """
+    if attention_mask.dim() == 2:
+        padding = attention_mask.bool()[:, None, None, :]
+        return padding & causal_mask(query_length, past_length, attention_mask.device)
+    if attention_mask.dim() == 4:
+        if attention_mask.dtype == torch.bool:
+            return attention_mask
+        return attention_mask == 0
+    raise ValueError(f"attention_mask must be 2D [batch, keys] or 4D [batch, 1, queries, keys], got {attention_mask.dim()}D.")
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+class PosSAttention(nn.Module):
+    """Llama-style multi-head attention (GQA, RoPE, no biases) that attends over explicitly given keys/values.
+
+    Keys/values of a pair depend only on the pair, so they are computed once (``project_kv``) and reused: by the
+    context cache, by tree ancestors, and by the multi-step training objective.
+    """
+
+    def __init__(self, config: PosSDraftConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim**-0.5
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def _heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, num_heads, self.head_dim).transpose(1, 2)
+
+    def project_kv(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `[B, T, H]` inputs: two `[B, kv_heads, T, head_dim]` tensors, RoPE applied to keys."""
+        cos, sin = position_embeddings
+        keys = self._heads(self.k_proj(hidden_states), self.num_kv_heads)
+        values = self._heads(self.v_proj(hidden_states), self.num_kv_heads)
+        keys = keys * cos.unsqueeze(1) + _rotate_half(keys) * sin.unsqueeze(1)
+        return keys, values
+
+    def forward(self, hidden_states, position_embeddings, keys, values, attention_mask) -> torch.Tensor:
+        """Queries from `[B, T, H]` attend over `keys`/`values` `[B, kv_heads, K, head_dim]` with a bool
+        `[B|1, 1, T, K]` mask. Returns `[B, T, H]`."""
+        cos, sin = position_embeddings
+        queries = self._heads(self.q_proj(hidden_states), self.num_heads)
+        queries = queries * cos.unsqueeze(1) + _rotate_half(queries) * sin.unsqueeze(1)
+        groups = self.num_heads // self.num_kv_heads
+        out = F.scaled_dot_product_attention(
+            queries, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=attention_mask, scale=self.scaling
+        )
+        batch, _, length, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PosSMLP(nn.Module):
+    """SwiGLU MLP."""
+
+    def __init__(self, config: PosSDraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ---------------------------------------------------------------------------------------------------- layer
+class PosSDecoderLayer(nn.Module):
+    """One specialist: attention + SwiGLU MLP, with ``post_attention_layernorm`` but no input norm."""
+
+    def __init__(self, config: PosSDraftConfig):
+        super().__init__()
+        self.self_attn = PosSAttention(config)
+        self.mlp = PosSMLP(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def project_kv(self, hidden_states, position_embeddings):
+        """See [`PosSAttention.project_kv`]."""
+        return self.self_attn.project_kv(hidden_states, position_embeddings)
+
+    def forward(self, hidden_states, position_embeddings, keys, values, attention_mask) -> torch.Tensor:
+        """`[B, T, H]` fused inputs -> `[B, T, H]` predicted features."""
+        hidden_states = hidden_states + self.self_attn(hidden_states, position_embeddings, keys, values, attention_mask)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+# ---------------------------------------------------------------------------------------------------- cache
+class PosSDraftCache:
+    """Keys/values of the accepted context, one entry per specialist (each specialist has its own projections).
+
+    ``keys[s]`` / ``values[s]``: `[B, kv_heads, L_s, head_dim]` or None; specialists may lag behind each other.
+    """
+
+    def __init__(self, num_specialists: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_specialists
+        self.values: list[torch.Tensor | None] = [None] * num_specialists
+
+    def get_seq_length(self, specialist: int = 0) -> int:
+        keys = self.keys[specialist]
+        return 0 if keys is None else keys.shape[-2]
+
+    def update(self, specialist: int, keys: torch.Tensor, values: torch.Tensor):
+        """Append `[B, kv, T, D]` keys/values; return the full keys/values of that specialist."""
+        if self.keys[specialist] is not None:
+            keys = torch.cat([self.keys[specialist], keys], dim=-2)
+            values = torch.cat([self.values[specialist], values], dim=-2)
+        self.keys[specialist], self.values[specialist] = keys, values
+        return keys, values
+
+    def crop(self, length: int):
+        """Keep the first ``length`` positions of every specialist."""
+        for s, keys in enumerate(self.keys):
+            if keys is not None and keys.shape[-2] > length:
+                self.keys[s] = keys[..., :length, :]
+                self.values[s] = self.values[s][..., :length, :]
+
+
+# ---------------------------------------------------------------------------------------------------- model
+@dataclass
+class PosSDraftOutput(ModelOutput):
+    """Output of [`PosSDraftModel.forward`].
+
+    Args:
+        last_hidden_state (`[B, T, H]`): predicted features f^_{t+1}.
+        cache ([`PosSDraftCache`], *optional*): updated cache when one was passed.
+        loss (*optional*): training loss when training inputs were given.
+        metrics (*optional*): per-step accuracies and losses (training only).
+    """
+
+    loss: torch.FloatTensor | None = None
+    last_hidden_state: torch.FloatTensor | None = None
+    cache: PosSDraftCache | None = None
+    metrics: dict | None = None
+
+
+class PosSPreTrainedModel(PreTrainedModel):
+    config_class = PosSDraftConfig
+    base_model_prefix = "poss"
+    _no_split_modules = ["PosSDecoderLayer"]
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+
+
+class PosSDraftModel(PosSPreTrainedModel):
+    """PosS draft: ``fc`` fuses [embed(x_{t+1}), f_t]; specialist ``s`` predicts f_{t+1}; logits via the target's
+    lm_head. The target's embedding and lm_head are borrowed with [`attach_target`] and never saved."""
+
+    def __init__(self, config: PosSDraftConfig):
+        super().__init__(config)
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
+        self.layers = nn.ModuleList([PosSDecoderLayer(config) for _ in range(config.num_specialists)])
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if config.own_embeddings else None
+        if config.draft_vocab_size is not None:
+            self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size), persistent=True)
+        else:
+            self.draft_to_target = None
+        self._target_embed = None
+        self._target_lm_head = None
+        self._draft_head_weight = None
+        self.generation_config = GenerationConfig(**{k: getattr(config, k) for k in TREE_GENERATION_KEYS})
+        self.post_init()
+
+    # ------------------------------------------------------------------ target
+    def attach_target(self, target) -> "PosSDraftModel":
+        """Borrow ``target``'s input embeddings and lm_head (frozen, not saved). Refuses a target that does not fit."""
+        config = getattr(target, "config", None)
+        if config is None or not hasattr(target, "get_output_embeddings"):
+            raise TypeError(f"attach_target expects a transformers causal LM, got {type(target).__name__}.")
+        self.config.check_target(config)
+        lm_head = target.get_output_embeddings()
+        embed = target.get_input_embeddings()
+        if lm_head is None or embed is None:
+            raise ValueError("The target has no input embeddings or no lm_head to borrow; use a causal LM.")
+        if lm_head.weight.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"The target's lm_head takes {lm_head.weight.shape[-1]} features, the draft makes {self.config.hidden_size}."
+            )
+        object.__setattr__(self, "_target_embed", embed)
+        object.__setattr__(self, "_target_lm_head", lm_head)
+        object.__setattr__(self, "_draft_head_weight", None)
+        return self
+
+    @property
+    def is_attached(self) -> bool:
+        return self._target_lm_head is not None and (self._target_embed is not None or self.embed_tokens is not None)
+
+    def _require_target(self):
+        if not self.is_attached:
+            raise RuntimeError(
+                "This PosS draft has no target attached: call `draft.attach_target(target)` first "
+                "(generate() does it for you)."
+            )
+
+    def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """Token embeddings: the draft's own copy when it carries one, else the target's."""
+        if self.embed_tokens is not None:
+            return self.embed_tokens(input_ids)
+        self._require_target()
+        return self._target_embed(input_ids)
+
+    def _head_weight(self) -> torch.Tensor:
+        """lm_head weight used for drafting: the draft-vocabulary rows of the target's lm_head (gathered once)."""
+        self._require_target()
+        weight = self._target_lm_head.weight
+        if self.draft_to_target is None:
+            return weight
+        cached = self._draft_head_weight
+        if cached is None or cached.device != weight.device or cached.dtype != weight.dtype:
+            cached = weight.detach()[self.draft_to_target.to(weight.device)]
+            object.__setattr__(self, "_draft_head_weight", cached)
+        return cached
+
+    def compute_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Draft logits `[..., V']` of `[..., H]` features (V' = draft vocabulary size when a token map is set)."""
+        head = self._target_lm_head
+        if self.draft_to_target is None:
+            self._require_target()
+            return head(features.to(head.weight.dtype))
+        bias = getattr(head, "bias", None)
+        if bias is not None:
+            bias = bias[self.draft_to_target.to(bias.device)]
+        weight = self._head_weight()
+        return F.linear(features.to(weight.dtype), weight, bias)
+
+    def to_target_tokens(self, draft_ids: torch.LongTensor) -> torch.LongTensor:
+        """Map draft-vocabulary indices to target token ids (identity without a token map)."""
+        if self.draft_to_target is None:
+            return draft_ids
+        return self.draft_to_target.to(draft_ids.device)[draft_ids]
+
+    # ------------------------------------------------------------------ building blocks
+    def fuse(self, input_ids: torch.LongTensor, target_hidden_states: torch.Tensor) -> torch.Tensor:
+        """`fc(cat(embed(x_{t+1}), f_t))`: `[B, T]` tokens and `[B, T, H]` features -> `[B, T, H]`."""
+        embeds = self.embed(input_ids).to(self.fc.weight.dtype)
+        return self.fc(torch.cat([embeds, target_hidden_states.to(self.fc.weight.dtype)], dim=-1))
+
+    def position_embeddings(self, hidden_states: torch.Tensor, position_ids: torch.LongTensor):
+        """RoPE (cos, sin) for `[B, T]` position ids, each `[B, T, head_dim]`."""
+        return self.rotary_emb(hidden_states, position_ids)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        target_hidden_states: torch.Tensor,
+        specialist: int = 0,
+        position_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: PosSDraftCache | None = None,
+        **training_inputs,
+    ) -> PosSDraftOutput:
+        """Run one specialist over context pairs.
+
+        Args:
+            input_ids (`[B, T]`): tokens x_{t+1}.
+            target_hidden_states (`[B, T, H]`): target features f_t (post-final-norm).
+            specialist (`int`): which specialist layer.
+            position_ids (`[B, T]`, *optional*): defaults to ``past .. past + T - 1``.
+            attention_mask (*optional*): 2D padding mask over past + T keys, or a 4D bool/additive mask.
+            cache ([`PosSDraftCache`], *optional*): keys/values of earlier pairs for this specialist; updated in place.
+            training_inputs: ``loss_mask`` and friends select the multi-step training objective (see
+                ``transformers_poss.training``).
+        """
+        if training_inputs:
+            from .training.objective import training_forward
+
+            return training_forward(self, input_ids, target_hidden_states, **training_inputs)
+        if not 0 <= specialist < self.config.num_specialists:
+            raise ValueError(f"specialist must be in [0, {self.config.num_specialists}), got {specialist}.")
+        hidden = self.fuse(input_ids, target_hidden_states)
+        batch, length, _ = hidden.shape
+        past = cache.get_seq_length(specialist) if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + length, device=hidden.device)[None].expand(batch, -1)
+        pos_emb = self.position_embeddings(hidden, position_ids)
+        layer = self.layers[specialist]
+        keys, values = layer.project_kv(hidden, pos_emb)
+        if cache is not None:
+            keys, values = cache.update(specialist, keys, values)
+        mask = causal_mask(length, past, hidden.device) if attention_mask is None else as_bool_mask(attention_mask, length, past)
+        out = layer(hidden, pos_emb, keys, values, mask)
+        return PosSDraftOutput(last_hidden_state=out, cache=cache)
+
+    # ------------------------------------------------------------------ drafting
+    def draft_tree(self, input_ids, target_hidden_states, depth=None, top_k=None, total_tokens=None):
+        """Draft one EAGLE-2 dynamic tree with position specialists from scratch.
+
+        Args:
+            input_ids (`[1, n + 1]`): x_0 .. x_n; x_n is the root.
+            target_hidden_states (`[1, n, H]`): f_0 .. f_{n-1}.
+        Returns: a [`DraftTree`].
+        """
+        from .proposer import PosSProposer
+
+        gen = self.generation_config
+        proposer = PosSProposer(
+            self,
+            depth=depth or gen.tree_depth,
+            top_k=top_k or gen.tree_top_k,
+            total_tokens=total_tokens or gen.tree_total_tokens,
+        )
+        return proposer.propose(input_ids[:, 1:], target_hidden_states)
+
+    # ------------------------------------------------------------------ hub
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            self.generation_config.save_pretrained(save_directory)
+            from .model_card import write_model_card
+
+            write_model_card(self, save_directory)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model.generation_config = _load_tree_generation_config(pretrained_model_name_or_path, model.config, kwargs)
+        return model
+
+    @classmethod
+    def from_official(cls, repo_id_or_folder, target=None, positions_per_specialist=None, **kwargs):
+        """Load a checkpoint released with the PosS paper (or an EAGLE/HASS one). See [`transformers_poss.official`]."""
+        from .official import load_official
+
+        return load_official(cls, repo_id_or_folder, target=target, positions_per_specialist=positions_per_specialist, **kwargs)
+
+
+def _load_tree_generation_config(name_or_path, config, kwargs) -> GenerationConfig:
+    """The saved generation config (tree shape) if there is one, else the tree defaults of ``config``."""
+    try:
+        loaded = GenerationConfig.from_pretrained(
+            name_or_path,
+            **{k: kwargs[k] for k in ("cache_dir", "local_files_only", "token", "revision") if k in kwargs},
+        )
+    except (OSError, ValueError):
+        loaded = GenerationConfig()
+    for key in TREE_GENERATION_KEYS:
+        if getattr(loaded, key, None) is None:
+            setattr(loaded, key, getattr(config, key))
+    return loaded
+
+
+__all__ = ["PosSDraftModel", "PosSDraftOutput", "PosSDraftCache", "PosSDecoderLayer", "PosSAttention"]

@@ -1,0 +1,29 @@
+"""Tiny random models shared by the tests."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from transformers_poss import PosSDraftConfig, PosSDraftModel
+
+
+def tiny_llama(vocab_size=128, hidden_size=64, layers=2, heads=4, kv_heads=2, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+        **kwargs,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_draft(target, num_specialists=2, positions_per_specialist=1, seed=1, **kwargs):
+    torch.manual_seed(seed)
+    config = PosSDraftConfig.for_target(
+        target.config, num_specialists=num_specialists, positions_per_specialist=positions_per_specialist, **kwargs
+    )
+    return PosSDraftModel(config).eval().attach_target(target)
