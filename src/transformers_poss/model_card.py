@@ -62,8 +62,8 @@ def render_model_card(model, repo: str = "PATH_OR_REPO") -> str:
     )
 
 
-def write_model_card(model, save_directory: str) -> str:
+def write_model_card(model, save_directory: str, repo: str | None = None) -> str:
     path = os.path.join(save_directory, "README.md")
     with open(path, "w", encoding="utf-8") as fh:
-        fh.write(render_model_card(model, repo=os.path.basename(os.path.normpath(save_directory))))
+        fh.write(render_model_card(model, repo=repo or os.path.basename(os.path.normpath(save_directory))))
     return path

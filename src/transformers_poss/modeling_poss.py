@@ -358,6 +358,40 @@ class PosSDraftModel(PosSPreTrainedModel):
 
             write_model_card(self, save_directory)
 
+    def push_to_hub(
+        self,
+        repo_id: str,
+        commit_message: str | None = None,
+        private: bool | None = None,
+        token: str | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+        max_shard_size: str = "50GB",
+        commit_description: str | None = None,
+        **kwargs,
+    ):
+        """Upload the draft (safetensors, config, generation config with the tree shape, and its model card)."""
+        import tempfile
+
+        from transformers.utils import hub
+
+        repo_id = hub.hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as tmp_dir:
+            self.save_pretrained(tmp_dir, max_shard_size=max_shard_size)
+            from .model_card import write_model_card
+
+            write_model_card(self, tmp_dir, repo=repo_id)
+            return self._upload_modified_files(
+                tmp_dir,
+                repo_id,
+                files_timestamps={},
+                commit_message=commit_message or "Upload PosS draft",
+                token=token,
+                create_pr=create_pr,
+                revision=revision,
+                commit_description=commit_description,
+            )
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
