@@ -1,0 +1,167 @@
+"""Command-line front end of `poss bench`: options, loading target / drafts / assistants, assembling the methods."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+from .bench import build_report, finish, load_questions, make_prompts, run_methods
+from .bench_methods import (GenerationSettings, assistant_method, baseline_method, draft_method,
+                            prompt_lookup_method)
+from .bench_runtime import environment
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the `poss bench` options."""
+    io = parser.add_argument_group("what to measure")
+    io.add_argument("--target", default="smollm2-135m-instruct",
+                    help="embedded name (smollm2-135m-instruct, gemma3-270m), Hub id or folder")
+    io.add_argument("--draft", action="append", default=[], metavar="[LABEL=]PATH",
+                    help="PosS / EAGLE / HASS draft (folder or Hub id); repeat to compare several in one run")
+    io.add_argument("--assistant", action="append", default=[], metavar="[LABEL=]PATH",
+                    help="small causal LM sharing the target's tokenizer, run as a chain assistant")
+    io.add_argument("--questions", nargs="+", required=True, metavar="FILE",
+                    help="question files, one JSON object a line, the prompt in turns[0]")
+    io.add_argument("--num-prompts", type=int, default=10, help="prompts per question file (default 10)")
+    io.add_argument("--selection", choices=["spread", "first"], default="spread",
+                    help="'spread': round-robin over categories (default); 'first': file order")
+    io.add_argument("--output", default="poss-bench.json", help="JSON report; plots are written next to it")
+    io.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    io.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    dec = parser.add_argument_group("decoding")
+    dec.add_argument("--max-new-tokens", type=int, default=128)
+    dec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs must equal the baseline)")
+    dec.add_argument("--top-p", type=float, default=None)
+    dec.add_argument("--top-k", type=int, default=None)
+    dec.add_argument("--seed", type=int, default=0)
+    dec.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
+                     help="'auto': use the tokenizer's chat template unless the target is a base model")
+
+    tree = parser.add_argument_group("tree shape (defaults: each draft's generation_config)")
+    tree.add_argument("--tree-depth", type=int, default=None)
+    tree.add_argument("--tree-top-k", type=int, default=None)
+    tree.add_argument("--tree-total-tokens", type=int, default=None, help="nodes verified per round, root included")
+    tree.add_argument("--sweep", action="store_true", help="run every draft at every depth x total-tokens shape")
+    tree.add_argument("--sweep-depths", type=_int_list, default=[3, 4, 6], metavar="D1,D2,...")
+    tree.add_argument("--sweep-total-tokens", type=_int_list, default=[8, 16, 32, 60], metavar="N1,N2,...")
+
+    other = parser.add_argument_group("other methods and runtime")
+    other.add_argument("--no-prompt-lookup", action="store_true", help="skip transformers' prompt lookup decoding")
+    other.add_argument("--prompt-lookup-tokens", type=int, default=10)
+    other.add_argument("--prompt-lookup-ngram", type=int, default=2)
+    other.add_argument("--warmup", type=int, default=1, help="warm-up prompts before timing (default 1)")
+    other.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    other.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    other.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    other.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+
+
+def _labelled(specs: list[str]) -> list[tuple[str, str]]:
+    """``LABEL=PATH`` or ``PATH`` (label: the last path component), labels made unique."""
+    pairs, seen = [], {}
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep or os.path.exists(spec):
+            label, path = Path(spec.rstrip("/")).name or spec, spec
+        count = seen.get(label, 0)
+        seen[label] = count + 1
+        pairs.append((label if count == 0 else f"{label}-{count + 1}", path))
+    return pairs
+
+
+def load_draft(source: str, target):
+    """Load a draft for `target`: a PosS checkpoint, else an official PosS / EAGLE / HASS one via ``from_official``."""
+    from .modeling_poss import PosSDraftModel
+
+    try:
+        draft = PosSDraftModel.from_pretrained(source)
+    except (OSError, ValueError, KeyError) as error:
+        if not hasattr(PosSDraftModel, "from_official"):
+            raise
+        try:
+            draft = PosSDraftModel.from_official(source, target=target)
+        except Exception:
+            raise error
+    if hasattr(draft, "attach_target") and not getattr(draft, "is_attached", False):
+        draft.attach_target(target)
+    return draft.to(device=target.device, dtype=target.dtype).eval()
+
+
+def build_methods(args, target) -> list:
+    """baseline, prompt lookup, chain assistants, then each draft (at each sweep shape with --sweep)."""
+    from .embedded import load_target
+
+    methods = [baseline_method(target)]
+    if not args.no_prompt_lookup:
+        methods.append(prompt_lookup_method(target, args.prompt_lookup_tokens, args.prompt_lookup_ngram))
+    for label, source in _labelled(args.assistant):
+        assistant, _ = load_target(source, dtype=target.dtype, attn_implementation=args.attn_implementation,
+                                   device=target.device)
+        methods.append(assistant_method(f"assistant:{label}", target, assistant, source))
+    for label, source in _labelled(args.draft):
+        draft = load_draft(source, target)
+        if not args.sweep:
+            methods.append(draft_method(label, target, draft, source, args.tree_depth, args.tree_top_k,
+                                        args.tree_total_tokens))
+            continue
+        for depth in args.sweep_depths:
+            for total in args.sweep_total_tokens:
+                method = draft_method(f"{label}[d={depth},n={total}]", target, draft, source, depth, args.tree_top_k,
+                                      total)
+                method.info.update({"sweep": True, "draft": label})
+                methods.append(method)
+    return methods
+
+
+def settings_record(args, chat: bool, target) -> dict:
+    """The report's ``settings`` section."""
+    return {
+        "target": args.target, "target_class": type(target).__name__, "dtype": args.dtype,
+        "attn_implementation": args.attn_implementation, "drafts": dict(_labelled(args.draft)),
+        "assistants": dict(_labelled(args.assistant)), "questions": [str(p) for p in args.questions],
+        "num_prompts": args.num_prompts, "selection": args.selection, "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature, "greedy": args.temperature <= 0, "top_p": args.top_p, "top_k": args.top_k,
+        "seed": args.seed, "threads": torch.get_num_threads(), "warmup": args.warmup, "chat_template": chat,
+        "tree": {"depth": args.tree_depth, "top_k": args.tree_top_k, "total_tokens": args.tree_total_tokens},
+        "sweep": {"depths": args.sweep_depths, "total_tokens": args.sweep_total_tokens} if args.sweep else None,
+        "prompt_lookup": None if args.no_prompt_lookup else
+        {"num_tokens": args.prompt_lookup_tokens, "max_ngram": args.prompt_lookup_ngram},
+        "method_order": "interleaved prompt by prompt, order rotated by one each prompt",
+    }
+
+
+def run(args) -> int:
+    """Run `poss bench` with parsed arguments; returns the exit status."""
+    import transformers_poss  # noqa: F401  (makes generate() tree-aware)
+
+    from .embedded import load_target, uses_chat_template
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target, tokenizer = load_target(args.target, dtype=DTYPES[args.dtype],
+                                    attn_implementation=args.attn_implementation, device=device)
+    chat = {"on": True, "off": False}.get(args.chat_template, None)
+    if chat is None:
+        chat = uses_chat_template(args.target, tokenizer)
+    questions = load_questions(args.questions, args.num_prompts, args.selection)
+    if not questions:
+        raise SystemExit("no questions found in " + " ".join(args.questions))
+    prompts = make_prompts(questions, tokenizer, chat, device)
+    methods = build_methods(args, target)
+    settings = GenerationSettings(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
+    records = run_methods(prompts, methods, settings, seed=args.seed, warmup=args.warmup, device=device,
+                          progress=not args.no_progress)
+    report = build_report(records, methods, settings_record(args, chat, target), environment(device))
+    return finish(report, args.output, plots=not args.no_plots, greedy=settings.greedy)
