@@ -1,0 +1,25 @@
+"""`poss convert`: turn an official PosS / EAGLE / HASS checkpoint into this library's format."""
+
+from __future__ import annotations
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("source", help="Hub id or folder of the official checkpoint (config.json + weights)")
+    parser.add_argument("output", help="folder to write (save_pretrained layout, safetensors)")
+    parser.add_argument("--target", default=None, help="embedded name, Hub id or folder of the target (recommended: "
+                        "records its fingerprint and drops a stored embedding equal to the target's)")
+    parser.add_argument("--positions-per-specialist", type=int, default=None,
+                        help="N of PosS-N; read from 'PosS<N>' in the source name when omitted")
+
+
+def run(args) -> int:
+    from .official import convert_official
+
+    target = None
+    if args.target:
+        from .embedded import load_target
+
+        target, _ = load_target(args.target)
+    out = convert_official(args.source, args.output, target=target, positions_per_specialist=args.positions_per_specialist)
+    print(f"wrote {out}")
+    return 0
