@@ -16,6 +16,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("transformers_poss.cli_generate", "generate text with a target, optionally with a PosS draft"),
     "bench": ("transformers_poss.bench", "measure acceptance and speed-up of decoding methods side by side"),
+    "convert": ("transformers_poss.cli_convert", "convert an official PosS / EAGLE / HASS checkpoint"),
+    "vocab": ("transformers_poss.cli_vocab", "give a draft a reduced drafting vocabulary (no retraining)"),
 }
 
 
