@@ -1,0 +1,147 @@
+"""Tiny targets, random trees and scripted proposers for the tree-verification tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+from transformers_poss.tree import DraftTree, ancestor_mask_from_parents
+
+
+def tiny_llama_target(vocab_size=96, seed=0, attn="sdpa", layers=2, **kwargs):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation=attn,
+        **kwargs,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_gemma3_target(vocab_size=96, window=4, seed=0, attn="sdpa"):
+    """Gemma 3 with alternating sliding-window (``window`` tokens) and full-attention layers."""
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=256,
+        attn_implementation=attn,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
+    )
+    return Gemma3ForCausalLM(config).eval()
+
+
+def tree_from_parents(tokens, parents) -> DraftTree:
+    parents = torch.as_tensor(parents, dtype=torch.long)
+    depths = torch.zeros_like(parents)
+    for i in range(1, parents.shape[0]):
+        depths[i] = depths[parents[i]] + 1
+    return DraftTree(
+        tokens=torch.as_tensor(tokens, dtype=torch.long),
+        parents=parents,
+        depths=depths,
+        tree_mask=ancestor_mask_from_parents(parents),
+    )
+
+
+def level_order(tokens: list[int], parents: list[int], generator: torch.Generator) -> DraftTree:
+    """Renumber a tree by depth with random order inside each depth (accepted paths become non-contiguous)."""
+    depths = [0] * len(tokens)
+    for i in range(1, len(tokens)):
+        depths[i] = depths[parents[i]] + 1
+    jitter = torch.rand(len(tokens), generator=generator).tolist()
+    order = sorted(range(len(tokens)), key=lambda i: (depths[i], jitter[i] if i else -1.0))
+    new_index = {old: new for new, old in enumerate(order)}
+    new_parents = [-1] + [new_index[parents[old]] for old in order[1:]]
+    return tree_from_parents([tokens[old] for old in order], new_parents)
+
+
+def random_tree(root: int, num_nodes: int, max_depth: int, vocab_size: int, generator: torch.Generator) -> DraftTree:
+    tokens, parents, depths = [root], [-1], [0]
+    while len(tokens) < num_nodes:
+        candidates = [i for i, d in enumerate(depths) if d < max_depth]
+        parent = candidates[int(torch.randint(len(candidates), (1,), generator=generator))]
+        tokens.append(int(torch.randint(vocab_size, (1,), generator=generator)))
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+    return level_order(tokens, parents, generator)
+
+
+class RandomProposer:
+    """Proposes random trees (acceptance is rare: exercises rejection and the bonus token)."""
+
+    def __init__(self, vocab_size, num_nodes=8, max_depth=3, seed=0):
+        self.vocab_size, self.num_nodes, self.max_depth = vocab_size, num_nodes, max_depth
+        self.generator = torch.Generator().manual_seed(seed)
+        self.calls = []
+
+    def propose(self, input_ids, target_hidden_states):
+        self.calls.append((input_ids.clone(), target_hidden_states.clone()))
+        root = int(input_ids[0, -1])
+        return random_tree(root, self.num_nodes, self.max_depth, self.vocab_size, self.generator)
+
+
+class OracleProposer:
+    """Proposes trees around the target's own continuation, so that several tokens get accepted per round.
+
+    Each round: the target's continuation of ``depth`` tokens (through ``generate`` with ``continuation_kwargs``,
+    e.g. the same repetition penalty), each chain token corrupted with probability ``corrupt``, plus ``siblings``
+    random nodes per depth; nodes are renumbered level by level in random order. It also checks that the features it
+    receives are the target's post-norm features of the new context pairs.
+    """
+
+    def __init__(self, target, prompt, depth=4, siblings=2, corrupt=0.15, seed=0, **continuation_kwargs):
+        self.target = target
+        self.context = prompt[0, :1].tolist()  # x_0; the proposer receives x_1 onwards
+        self.depth, self.siblings, self.corrupt = depth, siblings, corrupt
+        self.continuation_kwargs = continuation_kwargs
+        self.generator = torch.Generator().manual_seed(seed)
+        self.vocab_size = target.config.get_text_config().vocab_size
+        self.feature_errors = []
+
+    def _check_features(self, new_tokens, features):
+        """Features of pairs t = len(context)-m .. len(context)-1 must be the target's own post-norm features."""
+        self.context += new_tokens[0].tolist()
+        ids = torch.tensor([self.context[:-1]])
+        with torch.no_grad():
+            expected = self.target.model(ids).last_hidden_state[:, -new_tokens.shape[1] :]
+        self.feature_errors.append(float((expected - features).abs().max()))
+
+    def _continuation(self) -> list[int]:
+        ids = torch.tensor([self.context])
+        out = self.target.generate(ids, max_new_tokens=self.depth, do_sample=False, **self.continuation_kwargs)
+        return out[0, len(self.context) :].tolist()
+
+    def propose(self, input_ids, target_hidden_states):
+        self._check_features(input_ids, target_hidden_states)
+        chain = self._continuation()
+        tokens, parents, depths = [self.context[-1]], [-1], [0]
+        chain_parent = 0
+        for d, token in enumerate(chain, start=1):
+            previous = [i for i, depth in enumerate(depths) if depth == d - 1]
+            if float(torch.rand(1, generator=self.generator)) < self.corrupt:
+                token = (token + 1 + int(torch.randint(self.vocab_size - 1, (1,), generator=self.generator))) % self.vocab_size
+            tokens.append(token)
+            parents.append(chain_parent)
+            depths.append(d)
+            chain_parent = len(tokens) - 1
+            for _ in range(self.siblings):
+                tokens.append(int(torch.randint(self.vocab_size, (1,), generator=self.generator)))
+                parents.append(previous[int(torch.randint(len(previous), (1,), generator=self.generator))])
+                depths.append(d)
+        return level_order(tokens, parents, self.generator)
