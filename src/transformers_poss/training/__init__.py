@@ -1,0 +1,35 @@
+"""Training PosS drafts (and EAGLE-2 / HASS drafts, the single-specialist cases) with the transformers Trainer.
+
+- [`data`]: conversations -> chat-template token ids with an assistant-only mask.
+- [`distill`]: self-distillation (regenerate answers with the target; synthesise prompts without a dataset).
+- [`features`]: target features online (inside the training step) or offline (bf16 safetensors shards).
+- [`objective`]: the multi-step HASS-aligned objective with position specialists (``training_forward``).
+- [`trainer`]: ``PosSTrainer`` / ``PosSTrainingArguments``.
+
+Submodules are imported lazily so that ``import transformers_poss`` stays light.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "ObjectiveConfig": "objective",
+    "training_forward": "objective",
+    "PosSTrainer": "trainer",
+    "PosSTrainingArguments": "trainer",
+    "init_specialists": "trainer",
+    "ConversationDataset": "data",
+    "tokenize_conversation": "data",
+    "load_conversations": "data",
+    "PosSDataCollator": "features",
+    "TargetFeatures": "features",
+    "write_feature_shards": "features",
+    "FeatureShardDataset": "features",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(name)

@@ -1,0 +1,132 @@
+"""The multi-step training objective: the chain property, masking, gradients and loss behaviour."""
+
+import pytest
+import torch
+
+from helpers import tiny_draft, tiny_llama
+from transformers_poss import PosSDraftCache, PosSProposer
+from transformers_poss.training.objective import ObjectiveConfig, step_attention_mask, unroll
+
+
+def _sequential_depth_features(draft, input_ids, features, context_end, steps):
+    """Sequential drafting with the draft's own cached forward along the chain given by ``input_ids``.
+
+    Context pairs 0..context_end are accepted; depth d + 1 feeds the pair (previous output, x_{context_end + d + 1}).
+    Returns the predicted feature at depths 1..steps, each `[1, H]`.
+    """
+    config = draft.config
+    cache = PosSDraftCache(config.num_specialists)
+    seen = [0] * config.num_specialists
+    row_ids = [input_ids[:, : context_end + 1]]
+    row_feats = [features[:, : context_end + 1]]
+    results = []
+    for step in range(steps):
+        if step > 0:
+            position = context_end + step
+            row_ids.append(input_ids[:, position : position + 1])
+            row_feats.append(results[-1][:, None])
+        ids, feats = torch.cat(row_ids, dim=1), torch.cat(row_feats, dim=1)
+        specialist = config.specialist_for_step(step)
+        start = seen[specialist]
+        out = draft(ids[:, start:], feats[:, start:], specialist=specialist, cache=cache).last_hidden_state
+        seen[specialist] = ids.shape[1]
+        results.append(out[:, -1])
+    return results
+
+
+@pytest.mark.parametrize("specialists,per", [(1, 1), (1, 3), (2, 1), (3, 2)])
+def test_chain_property_matches_cached_drafting(specialists, per):
+    target = tiny_llama()
+    draft = tiny_draft(target, num_specialists=specialists, positions_per_specialist=per)
+    steps = draft.config.training_depth
+    length = 24
+    torch.manual_seed(3)
+    input_ids = torch.randint(0, 128, (1, length))
+    features = torch.randn(1, length, 64)
+    with torch.no_grad():
+        outputs = unroll(draft, input_ids, features, steps, chunk_size=7)
+        for t in range(steps, length):
+            for k in range(steps):
+                reference = _sequential_depth_features(draft, input_ids, features, t - k, k + 1)[k]
+                torch.testing.assert_close(outputs[k][:, t], reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("specialists,per", [(2, 1), (3, 2)])
+def test_chain_property_matches_tree_proposer(specialists, per):
+    """Along the proposer's own top-1 chain, step k at position c + k reproduces its token and log-prob."""
+    target = tiny_llama()
+    draft = tiny_draft(target, num_specialists=specialists, positions_per_specialist=per)
+    steps = draft.config.training_depth
+    torch.manual_seed(5)
+    context = 9  # pairs 0..context-1 accepted; the last one holds the root
+    input_ids = torch.randint(0, 128, (1, context + steps))
+    features = torch.randn(1, context + steps, 64)
+    proposer = PosSProposer(draft, depth=steps, top_k=1, total_tokens=steps + 1)
+    tree = proposer.propose(input_ids[:, :context], features[:, :context])
+    assert tree.parents.tolist() == [-1] + list(range(steps))  # a chain
+    drafted = tree.tokens[1:]
+    input_ids[0, context : context + steps - 1] = drafted[:-1]  # pair c + j carries drafted token j
+    with torch.no_grad():
+        outputs = unroll(draft, input_ids, features, steps, chunk_size=5)
+        c = context - 1
+        logps = [torch.log_softmax(draft.compute_logits(outputs[k][0, c + k]), -1) for k in range(steps)]
+    assert [int(lp.argmax()) for lp in logps] == drafted.tolist()
+    cumulative = torch.cumsum(torch.stack([lp[tok] for lp, tok in zip(logps, drafted)]), 0)
+    torch.testing.assert_close(cumulative, tree.scores[1:].float(), rtol=1e-5, atol=1e-5)
+
+
+def test_step_mask_rows():
+    mask, ranges = step_attention_mask(2, 0, 6, 6, "cpu")
+    # query 4 at step 2: context pairs 0..2, the step-1 row at 3 and the step-2 row at 4 (itself)
+    keys = [(block, pos) for block, a, b in ranges for pos in range(a, b)]
+    seen = {keys[i] for i in mask[0, 0, 4].nonzero().flatten().tolist()}
+    assert seen == {(0, 0), (0, 1), (0, 2), (1, 3), (2, 4)}
+    assert mask[0, 0].any(-1).all()  # every query sees at least itself (no NaN rows)
+
+
+def test_gradients_reach_only_the_step_specialist_and_fc():
+    target = tiny_llama()
+    draft = tiny_draft(target, num_specialists=3, positions_per_specialist=1).train()
+    torch.manual_seed(0)
+    ids, feats = torch.randint(0, 128, (2, 12)), torch.randn(2, 12, 64)
+    mask = torch.ones(2, 12)
+    for k in range(3):
+        draft.zero_grad()
+        weights = [1.0 if j == k else 0.0 for j in range(3)]
+        draft(ids, feats, loss_mask=mask, objective=ObjectiveConfig(step_weights=weights, noise="none")).loss.backward()
+        touched = [s for s in range(3) if draft.layers[s].mlp.up_proj.weight.grad is not None
+                   and draft.layers[s].mlp.up_proj.weight.grad.abs().sum() > 0]
+        assert touched == [k]
+        assert draft.fc.weight.grad.abs().sum() > 0
+
+
+def test_loss_mask_and_padding_positions_do_not_matter():
+    target = tiny_llama()
+    draft = tiny_draft(target, num_specialists=2, positions_per_specialist=1)
+    torch.manual_seed(1)
+    ids, feats = torch.randint(0, 128, (1, 10)), torch.randn(1, 10, 64)
+    mask = torch.zeros(1, 10)
+    mask[:, 3:7] = 1
+    base = draft(ids, feats, loss_mask=mask).loss
+    # right padding: more positions after the masked ones (causal attention never looks ahead)
+    padded = draft(torch.cat([ids, torch.zeros(1, 5, dtype=torch.long)], 1),
+                   torch.cat([feats, torch.randn(1, 5, 64)], 1), loss_mask=torch.cat([mask, torch.zeros(1, 5)], 1)).loss
+    torch.testing.assert_close(base, padded)
+    # changing a feature at an unmasked later position changes nothing; at a masked target it does
+    later = feats.clone()
+    later[:, 9] += 1.0
+    torch.testing.assert_close(draft(ids, later, loss_mask=mask).loss, base)
+    target_change = feats.clone()
+    target_change[:, 5] += 1.0
+    assert not torch.allclose(draft(ids, target_change, loss_mask=mask).loss, base)
+
+
+def test_metrics_and_topk_term():
+    target = tiny_llama()
+    draft = tiny_draft(target, num_specialists=2, positions_per_specialist=2)
+    ids, feats = torch.randint(0, 128, (2, 16)), torch.randn(2, 16, 64)
+    out = draft(ids, feats, loss_mask=torch.ones(2, 16))
+    assert set(f"acc_{d}" for d in range(1, 5)) <= set(out.metrics)
+    assert int(out.metrics["count_1"]) == 2 * 15 and int(out.metrics["count_4"]) == 2 * 12
+    with_topk = draft(ids, feats, loss_mask=torch.ones(2, 16), objective=ObjectiveConfig(topk_weight=1.0))
+    assert with_topk.loss > out.loss
