@@ -59,7 +59,9 @@ class MethodResult:
         accepted_lengths: tokens gained per target forward ("round"), bonus token included (+1 convention).
         drafted_lengths: per round, how many draft positions were on offer (chain length or tree depth), if known.
         position_acceptance: rate at draft position i given positions 1..i-1 accepted (index 0 = position 1).
-        time_split: seconds spent ``drafting`` and in ``verification`` (the rest is reported as ``other``).
+        time_split: seconds per phase as the method reports them (``drafting``, ``verification``, ...); time not
+            covered is reported as ``other``.
+        position_counts: ``(accepted, proposed)`` per draft position, pooled exactly across prompts when given.
     """
 
     tokens: list[int]
@@ -67,6 +69,7 @@ class MethodResult:
     drafted_lengths: list[int] | None = None
     position_acceptance: list[float] | None = None
     time_split: dict[str, float] | None = None
+    position_counts: tuple[list[int], list[int]] | None = None
 
 
 @dataclass
@@ -115,11 +118,11 @@ def _as_list(value) -> list | None:
 
 
 def _time_split(acceptance) -> dict[str, float] | None:
-    """Drafting / verification seconds from a generate result's acceptance record, in any of its spellings."""
-    split = getattr(acceptance, "time_split", None)
-    if isinstance(split, dict):
-        found = {key: float(split[key]) for key in ("drafting", "verification") if split.get(key) is not None}
-        return found or None
+    """Seconds per phase (drafting, verification, ...) from a generate result's acceptance record, if it has them."""
+    for name in ("timings", "time_split"):
+        split = getattr(acceptance, name, None)
+        if isinstance(split, dict) and split:
+            return {str(key): float(value) for key, value in split.items() if value is not None}
     found = {}
     for key in ("drafting", "verification"):
         for name in (f"{key}_time", f"{key}_s", f"{key}_seconds"):
@@ -141,8 +144,10 @@ def result_from_generate(output, prompt_length: int, rounds: list[tuple[int, int
     if acceptance is not None:
         accepted = _as_list(getattr(acceptance, "accepted_lengths", None))
         positions = _as_list(getattr(acceptance, "position_acceptance", None))
-        drafted = [len(positions)] * len(accepted) if accepted is not None and positions else None
-        return MethodResult(tokens, accepted, drafted, positions, _time_split(acceptance))
+        counts = None
+        if getattr(acceptance, "position_proposed", None) is not None:
+            counts = (_as_list(acceptance.position_accepted), _as_list(acceptance.position_proposed))
+        return MethodResult(tokens, accepted, None, positions, _time_split(acceptance), counts)
     if rounds:
         return MethodResult(tokens, [m + 1 for _, m in rounds], [c for c, _ in rounds])
     return MethodResult(tokens)

@@ -82,25 +82,50 @@ def compare_with_baseline(record: PromptRecord, baseline: PromptRecord) -> None:
         record.speedup = record.tokens_per_s / baseline.tokens_per_s
 
 
-def position_acceptance(records: list[PromptRecord]) -> list[float] | None:
-    """Pooled position-wise acceptance: at position i, rounds that accepted i drafts over rounds that reached i.
+def _pooled_counts(records: list[PromptRecord]) -> list[float] | None:
+    """Position rates from per-position (accepted, proposed) counts summed over prompts."""
+    accepted, proposed = [], []
+    for record in records:
+        if record.result.position_counts is None:
+            continue
+        for totals, values in zip((accepted, proposed), record.result.position_counts):
+            totals.extend([0] * (len(values) - len(totals)))
+            for i, value in enumerate(values):
+                totals[i] += value
+    if not proposed:
+        return None
+    return [round(a / p, 4) if p else None for a, p in zip(accepted, proposed)]
 
-    A round "reaches" position i when positions 1..i-1 were accepted and the draft offered at least i positions.
-    Falls back to the mean of per-prompt rates when rounds are not known.
-    """
+
+def _pooled_rounds(records: list[PromptRecord]) -> list[float] | None:
+    """Position rates from rounds of (positions offered, tokens accepted)."""
     rounds = []
     for record in records:
         accepted, drafted = record.result.accepted_lengths, record.result.drafted_lengths
         if accepted is not None and drafted is not None:
             rounds.extend((d, a - 1) for a, d in zip(accepted, drafted))
-    if rounds:
-        depth = max(d for d, _ in rounds)
-        rates = []
-        for i in range(1, depth + 1):
-            reached = sum(1 for d, a in rounds if d >= i and a >= i - 1)
-            if reached == 0:
-                break
-            rates.append(round(sum(1 for d, a in rounds if d >= i and a >= i) / reached, 4))
+    if not rounds:
+        return None
+    rates = []
+    for i in range(1, max(d for d, _ in rounds) + 1):
+        reached = sum(1 for d, a in rounds if d >= i and a >= i - 1)
+        if reached == 0:
+            break
+        rates.append(round(sum(1 for d, a in rounds if d >= i and a >= i) / reached, 4))
+    return rates
+
+
+def position_acceptance(records: list[PromptRecord]) -> list[float] | None:
+    """Pooled position-wise acceptance: at position i, rounds that accepted i drafts over rounds that reached i.
+
+    A round "reaches" position i when positions 1..i-1 were accepted and the draft offered a token at position i.
+    Uses exact per-position counts when the method reports them, else per-round offered/accepted lengths, else the
+    mean of per-prompt rates.
+    """
+    rates = _pooled_counts(records)
+    if rates is None:
+        rates = _pooled_rounds(records)
+    if rates is not None:
         return rates
     lists = [r.result.position_acceptance for r in records if r.result.position_acceptance]
     if not lists:
@@ -110,14 +135,16 @@ def position_acceptance(records: list[PromptRecord]) -> list[float] | None:
 
 
 def time_split(records: list[PromptRecord]) -> dict | None:
-    """Seconds and shares spent drafting, verifying and elsewhere, summed over prompts (None if not reported)."""
+    """Seconds and shares per reported phase plus ``other`` (the rest), summed over prompts; None if not reported."""
     splits = [(r.result.time_split, r.seconds) for r in records if r.result.time_split]
     if not splits:
         return None
     total = sum(seconds for _, seconds in splits)
-    drafting = sum(split.get("drafting", 0.0) for split, _ in splits)
-    verification = sum(split.get("verification", 0.0) for split, _ in splits)
-    seconds = {"drafting": drafting, "verification": verification, "other": max(total - drafting - verification, 0)}
+    seconds = defaultdict(float)
+    for split, _ in splits:
+        for phase, value in split.items():
+            seconds[phase] += value
+    seconds["other"] = max(total - sum(seconds.values()), 0.0)
     return {"seconds": {k: round(v, 4) for k, v in seconds.items()},
             "share": {k: round(v / total, 4) if total > 0 else None for k, v in seconds.items()}}
 
