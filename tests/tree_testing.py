@@ -145,3 +145,21 @@ class OracleProposer:
                 parents.append(previous[int(torch.randint(len(previous), (1,), generator=self.generator))])
                 depths.append(d)
         return level_order(tokens, parents, self.generator)
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Pearson goodness-of-fit p-value of observed ``counts`` against ``probs`` (cells with a small expected count
+    are pooled into one)."""
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    expected = probs / probs.sum() * counts.sum()
+    small = expected < min_expected
+    obs = torch.cat([counts[~small], counts[small].sum().view(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    if bool(((exp == 0) & (obs > 0)).any()):
+        return 0.0
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.double), stat / 2.0))
