@@ -105,8 +105,9 @@ class OracleProposer:
     receives are the target's post-norm features of the new context pairs.
     """
 
-    def __init__(self, target, prompt, depth=4, siblings=2, corrupt=0.15, seed=0, **continuation_kwargs):
+    def __init__(self, target, prompt, depth=4, siblings=2, corrupt=0.15, seed=0, padding=0, **continuation_kwargs):
         self.target = target
+        self.padding = padding  # left-padded prompt: features of padded rows are not compared
         self.context = prompt[0, :1].tolist()  # x_0; the proposer receives x_1 onwards
         self.depth, self.siblings, self.corrupt = depth, siblings, corrupt
         self.continuation_kwargs = continuation_kwargs
@@ -117,6 +118,8 @@ class OracleProposer:
     def _check_features(self, new_tokens, features):
         """Features of pairs t = len(context)-m .. len(context)-1 must be the target's own post-norm features."""
         self.context += new_tokens[0].tolist()
+        if self.padding:
+            return
         ids = torch.tensor([self.context[:-1]])
         with torch.no_grad():
             expected = self.target.model(ids).last_hidden_state[:, -new_tokens.shape[1] :]
@@ -124,7 +127,10 @@ class OracleProposer:
 
     def _continuation(self) -> list[int]:
         ids = torch.tensor([self.context])
-        out = self.target.generate(ids, max_new_tokens=self.depth, do_sample=False, **self.continuation_kwargs)
+        kwargs = dict(self.continuation_kwargs)
+        if self.padding:
+            kwargs["attention_mask"] = (torch.arange(ids.shape[1]) >= self.padding).long()[None]
+        out = self.target.generate(ids, max_new_tokens=self.depth, do_sample=False, **kwargs)
         return out[0, len(self.context) :].tolist()
 
     def propose(self, input_ids, target_hidden_states):
@@ -163,3 +169,47 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: 
     stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
     dof = int(keep.sum()) - 1
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.double), stat / 2.0))
+
+
+def tiny_tokenizer():
+    """A 96-token word-level tokenizer (two-letter tokens) for stop strings and text streamers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2, "abcdef": 3}
+    for i in range(92):
+        vocab[chr(97 + i % 26) + chr(97 + i // 26)] = 4 + i
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
+
+
+def train_draft_briefly(target, draft, prompts, steps=150, lr=3e-3, new_tokens=48, seed=0):
+    """Fit the draft's specialists to the target's own greedy continuations of ``prompts`` (feature regression +
+    next-token cross-entropy through the target's lm_head)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        sequences = [target.generate(p, max_new_tokens=new_tokens, do_sample=False) for p in prompts]
+        features = [target.model(s).last_hidden_state for s in sequences]
+        labels = [target.lm_head(f).argmax(-1) for f in features]
+    head = target.get_output_embeddings()
+    head.requires_grad_(False)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=lr)
+    draft.train()
+    for step in range(steps):
+        i = step % len(sequences)
+        seq, feat, lab = sequences[i], features[i], labels[i]
+        loss = 0.0
+        for specialist in range(draft.config.num_specialists):
+            out = draft(input_ids=seq[:, 1:], target_hidden_states=feat[:, :-1], specialist=specialist)
+            predicted = out.last_hidden_state
+            loss = loss + torch.nn.functional.smooth_l1_loss(predicted, feat[:, 1:])
+            logits = head(predicted)
+            loss = loss + torch.nn.functional.cross_entropy(logits[0], lab[0, 1:])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    head.requires_grad_(True)
+    return draft.eval()

@@ -1,0 +1,398 @@
+"""Tree speculative decoding inside the stock ``target.generate(assistant_model=draft)``.
+
+``generate`` routes ``assistant_model=...`` to ``GenerationMixin._assisted_decoding``, which verifies one linear
+chain. `enable_tree_generation` (called on ``import transformers_poss``) wraps that method and
+``_validate_generation_mode`` so that a `PosSDraftModel` assistant runs the tree loop of this module, and any other
+assistant (a small LM, prompt lookup, ...) keeps the stock path untouched. `disable_tree_generation` restores the
+original methods.
+
+Each round of the loop:
+1. `PosSCandidateGenerator` drafts a tree from the context pairs accepted since the previous round;
+2. ONE target forward over the tree nodes (4D tree mask, position = context length + depth) gives logits and the
+   post-norm features;
+3. `verification.accept_tree` picks the accepted path (greedy or rejection sampling after the same logits processors
+   ``generate`` applies);
+4. `kv_cache.compact_cache` keeps only the accepted rows; the emitted tokens are appended one at a time through the
+   stopping criteria, so generation stops exactly where plain ``generate`` would.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicCache
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+
+from .kv_cache import check_cache_supported, compact_cache, prepare_cache_for_tree, tree_verification_mask
+from .tree import DraftTree
+from .verification import AcceptanceStats, accept_tree
+
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+DEFAULT_TREE_SHAPE = {"tree_depth": 6, "tree_top_k": 10, "tree_total_tokens": 60}
+
+
+@dataclass
+class PosSGenerateOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` with the acceptance statistics of tree speculative decoding.
+
+    Args:
+        acceptance (`AcceptanceStats`): per-round acceptance lengths, position-wise acceptance and phase timings.
+    """
+
+    acceptance: AcceptanceStats | None = None
+
+
+def is_tree_draft(model) -> bool:
+    """Whether ``model`` is a PosS draft, i.e. ``generate`` should run tree speculation with it."""
+    try:
+        from .modeling_poss import PosSDraftModel
+    except ImportError:
+        return False
+    return isinstance(model, PosSDraftModel)
+
+
+def tree_shape(draft) -> tuple[int, int, int]:
+    """(depth, top_k, total_tokens) from ``draft.generation_config``, with the paper's defaults 6 / 10 / 60."""
+    config = getattr(draft, "generation_config", None)
+    values = [getattr(config, name, None) or default for name, default in DEFAULT_TREE_SHAPE.items()]
+    depth, top_k, total = (int(v) for v in values)
+    if depth < 1 or top_k < 1 or total < 2:
+        raise ValueError(f"invalid tree shape: depth={depth}, top_k={top_k}, total_tokens={total}")
+    return depth, top_k, total
+
+
+class PosSCandidateGenerator(CandidateGenerator):
+    """A `CandidateGenerator` whose candidates are draft trees.
+
+    It owns the draft's state across rounds (a `PosSProposer`, which keeps each specialist's KV cache of the accepted
+    context) and runs the draft on the device of the target's ``lm_head``.
+
+    Args:
+        draft (`PosSDraftModel`): the draft, attached to ``target`` (attached here when it is not yet).
+        target (`PreTrainedModel`): the model ``generate`` was called on.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, draft, target):
+        self.draft = draft
+        self.target = target
+        self.depth, self.top_k, self.total_tokens = tree_shape(draft)
+        self.device = _lm_head_device(target)
+        if _draft_device(draft) != self.device:
+            draft.to(self.device)
+        self.proposer = self._make_proposer()
+
+    def _make_proposer(self):
+        from .proposer import PosSProposer
+
+        return PosSProposer(self.draft, depth=self.depth, top_k=self.top_k, total_tokens=self.total_tokens)
+
+    def get_candidates(
+        self, input_ids: torch.LongTensor, new_tokens: torch.LongTensor = None, new_features: torch.Tensor = None
+    ) -> tuple[DraftTree, None]:
+        """Draft a tree rooted at the last token of ``input_ids``.
+
+        Args:
+            input_ids (`torch.LongTensor` of shape `[1, T]`): the sequence so far; its last token is the root.
+            new_tokens (`torch.LongTensor` of shape `[1, m]`): tokens x_{t+1} of the context pairs accepted since the
+                previous call (the last one is the root).
+            new_features (`torch.Tensor` of shape `[1, m, H]`): the target features f_t of the same pairs.
+
+        Returns:
+            `(tree, None)`: the tree on the device of ``input_ids``; no candidate logits (the draft is deterministic).
+        """
+        tree = self.proposer.propose(new_tokens.to(self.device), new_features.to(self.device))
+        return tree.to(input_ids.device), None
+
+
+def _lm_head_device(target) -> torch.device:
+    return target.get_output_embeddings().weight.device
+
+
+def _draft_device(draft) -> torch.device:
+    try:
+        return next(draft.parameters()).device
+    except (StopIteration, AttributeError):
+        return torch.device("cpu")
+
+
+def _check_generation_config(model, draft, generation_mode, generation_config) -> None:
+    """Clear errors for settings tree speculation cannot honour (called before any preparation)."""
+    if generation_mode != GenerationMode.ASSISTED_GENERATION:
+        raise ValueError(
+            f"A PosS draft supports greedy decoding and sampling only, but these settings select {generation_mode} "
+            f"(num_beams={generation_config.num_beams}). Use num_beams=1 or drop assistant_model."
+        )
+    if generation_config.num_return_sequences not in (None, 1):
+        raise ValueError(
+            f"num_return_sequences must be 1 with a PosS draft, got {generation_config.num_return_sequences}."
+        )
+    for name in ("prompt_lookup_num_tokens", "assistant_early_exit"):
+        if getattr(generation_config, name, None) is not None:
+            raise ValueError(f"`{name}` cannot be combined with a PosS draft (assistant_model).")
+    if getattr(generation_config, "use_mtp", False):
+        raise ValueError("`use_mtp` cannot be combined with a PosS draft (assistant_model).")
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError("output_attentions / output_hidden_states are not supported with a PosS draft.")
+    attention = model.config._attn_implementation
+    if attention not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"Tree verification needs an arbitrary 4D attention mask, which attn_implementation={attention!r} "
+            f"cannot take. Load the target with attn_implementation='sdpa' (or 'eager')."
+        )
+    draft.config.check_target(model.config)  # raises ValueError on fingerprint / vocab / hidden size mismatch
+    if getattr(draft, "_target_lm_head", None) is not model.get_output_embeddings():
+        try:
+            draft.attach_target(model)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise ValueError(f"The PosS draft could not be attached to the target: {error}") from error
+
+
+def _check_inputs(model, input_ids, generation_config, model_kwargs, synced_gpus) -> None:
+    """Clear errors for inputs tree speculation cannot honour (called once ``generate`` prepared them)."""
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"Tree speculative decoding supports batch size 1 only, got {input_ids.shape[0]}.")
+    if input_ids.shape[1] == 0 or model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("Tree speculative decoding needs `input_ids` (prompts given as inputs_embeds are unsupported).")
+    if model.config.is_encoder_decoder:
+        raise ValueError("Tree speculative decoding supports decoder-only targets only.")
+    if synced_gpus:
+        raise ValueError("synced_gpus is not supported with a PosS draft.")
+    max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if max_positions is not None and generation_config.max_length > max_positions:
+        raise ValueError(
+            f"The prompt ({input_ids.shape[1]} tokens) plus the tokens to generate reach max_length="
+            f"{generation_config.max_length}, beyond the target's max_position_embeddings={max_positions}."
+        )
+    cache = model_kwargs.get("cache")
+    check_cache_supported(cache)
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError("Tree speculative decoding cannot continue from a pre-filled cache; pass a fresh one.")
+
+
+def limit_tree_depth(tree: DraftTree, max_depth: int) -> DraftTree:
+    """The subtree of nodes at depth ``<= max_depth`` (parents stay before children, so it is still a tree)."""
+    keep = tree.depths <= max_depth
+    if bool(keep.all()):
+        return tree
+    new_index = torch.cumsum(keep.long(), dim=0) - 1
+    parents = tree.parents[keep]
+    parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
+    return DraftTree(
+        tokens=tree.tokens[keep],
+        parents=parents,
+        depths=tree.depths[keep],
+        tree_mask=tree.tree_mask[keep][:, keep],
+        scores=None if tree.scores is None else tree.scores[keep],
+    )
+
+
+class _Emitter:
+    """Appends tokens one at a time through the stopping criteria, streamer and score records of ``generate``."""
+
+    def __init__(self, input_ids, stopping_criteria, streamer, scores, raw_logits):
+        self.input_ids = input_ids
+        self.stopping_criteria = stopping_criteria
+        self.streamer = streamer
+        self.scores = scores
+        self.raw_logits = raw_logits
+        self.finished = False
+
+    def emit(self, tokens: torch.LongTensor, scores: torch.Tensor, raw_logits: torch.Tensor) -> int:
+        """Append ``tokens`` ([k]) until a stopping criterion fires; return how many were appended."""
+        count = 0
+        for i in range(tokens.shape[0]):
+            self.input_ids = torch.cat([self.input_ids, tokens[i : i + 1].view(1, 1)], dim=-1)
+            if self.scores is not None:
+                self.scores += (scores[i : i + 1],)
+            if self.raw_logits is not None:
+                self.raw_logits += (raw_logits[i : i + 1],)
+            count += 1
+            if bool(self.stopping_criteria(self.input_ids, self.scores).all()):
+                self.finished = True
+                break
+        if self.streamer is not None:
+            self.streamer.put(tokens[:count].view(1, -1).cpu())
+        return count
+
+
+def _mask_dtype(model) -> torch.dtype | None:
+    return None if model.config._attn_implementation == "sdpa" else model.dtype
+
+
+def _verify(model, tree: DraftTree, cache, root_position: int, context_mask):
+    """ONE target forward over the tree nodes: logits `[n, vocab]` and post-norm features `[n, H]`."""
+    device = model.device
+    mask = tree_verification_mask(
+        cache, model.config.get_text_config(), tree.tree_mask, tree.depths, context_mask, _mask_dtype(model)
+    )
+    mask = {k: v.to(device) for k, v in mask.items()} if isinstance(mask, dict) else mask.to(device)
+    kwargs = {"logits_to_keep": 0} if model._supports_logits_to_keep() else {}
+    outputs = model(
+        input_ids=tree.tokens[None].to(device),
+        attention_mask=mask,
+        position_ids=(tree.depths + root_position)[None].to(device),
+        cache=cache,
+        use_cache=True,
+        output_hidden_states=True,
+        return_dict=True,
+        **kwargs,
+    )
+    return outputs.logits[0], outputs.hidden_states[-1][0]
+
+
+def _first_token(logits, input_ids, logits_processor, do_sample):
+    scores = logits_processor(input_ids, logits)
+    if do_sample:
+        token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)[:, 0]
+    else:
+        token = scores.argmax(dim=-1)
+    return token, scores
+
+
+def _tree_assisted_decoding(
+    self,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    inputs_tensor=None,
+    assistant_model=None,
+    assistant_tokenizer=None,
+    tokenizer=None,
+    **model_kwargs,
+):
+    """The tree-verification loop: same inputs and outputs as `GenerationMixin._assisted_decoding`."""
+    _check_inputs(self, input_ids, generation_config, model_kwargs, synced_gpus)
+    candidate_generator = PosSCandidateGenerator(assistant_model, self)
+    do_sample = bool(generation_config.do_sample)
+    return_dict = generation_config.return_dict_in_generate
+    stats = AcceptanceStats()
+    emitter = _Emitter(
+        input_ids,
+        stopping_criteria,
+        streamer,
+        scores=() if return_dict and generation_config.output_scores else None,
+        raw_logits=() if return_dict and generation_config.output_logits else None,
+    )
+    if model_kwargs.get("cache") is None:
+        model_kwargs["cache"] = DynamicCache(config=self.config.get_text_config(decoder=True))
+    model_kwargs["use_cache"] = True
+    cache = model_kwargs["cache"]
+    attention_mask = model_kwargs.get("attention_mask")
+    context_mask = None if attention_mask is None else attention_mask[0].bool()
+
+    # prefill: last-position logits and every prompt position's features in the same forward
+    outputs = self._prefill(input_ids, generation_config, {**model_kwargs, "output_hidden_states": True})
+    new_features = outputs.hidden_states[-1]
+    if new_features.shape[1] != input_ids.shape[1]:
+        raise ValueError("Tree speculative decoding needs the features of the whole prompt: unset prefill_chunk_size.")
+    prepare_cache_for_tree(cache)
+    logits = outputs.logits[:, -1].to(dtype=torch.float32, device=input_ids.device)
+    del outputs
+    token, scores = _first_token(logits, input_ids, logits_processor, do_sample)
+    emitter.emit(token, scores, logits)
+    new_tokens = torch.cat([input_ids[:, 1:], token[:, None]], dim=-1)
+
+    while not emitter.finished:
+        clock = time.perf_counter()
+        tree, _ = candidate_generator.get_candidates(emitter.input_ids, new_tokens, new_features)
+        budget = generation_config.max_length - emitter.input_ids.shape[1]
+        tree = limit_tree_depth(tree, max(budget - 1, 0))
+        stats.add_time("drafting", time.perf_counter() - clock)
+
+        clock = time.perf_counter()
+        past_length = cache.get_seq_length()
+        root_position = past_length if context_mask is None else int(context_mask.sum().item())
+        logits, features = _verify(self, tree, cache, root_position, context_mask)
+        logits = logits.to(dtype=torch.float32, device=input_ids.device)
+        stats.add_time("verification", time.perf_counter() - clock)
+
+        clock = time.perf_counter()
+        accepted = accept_tree(tree, logits, emitter.input_ids, logits_processor, do_sample)
+        stats.record(accepted.num_accepted, accepted.proposed_next)
+        stats.add_time("acceptance", time.perf_counter() - clock)
+
+        clock = time.perf_counter()
+        compact_cache(cache, tree.num_nodes, accepted.path)
+        if context_mask is not None:
+            context_mask = torch.cat([context_mask, context_mask.new_ones(accepted.path.shape[0])])
+        stats.add_time("cache_update", time.perf_counter() - clock)
+
+        emitter.emit(accepted.tokens, accepted.scores, logits[accepted.path])
+        new_tokens = accepted.tokens[None]
+        new_features = features[accepted.path.to(features.device)][None]
+
+    candidate_generator.stats = stats
+    if streamer is not None:
+        streamer.end()
+    if not return_dict:
+        return emitter.input_ids
+    return PosSGenerateOutput(
+        sequences=emitter.input_ids,
+        scores=emitter.scores,
+        logits=emitter.raw_logits,
+        cache=cache,
+        acceptance=stats,
+    )
+
+
+_ORIGINALS: dict[str, object] = {}
+
+
+def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                       streamer=None, inputs_tensor=None, assistant_model=None, assistant_tokenizer=None,
+                       tokenizer=None, **model_kwargs):  # fmt: skip
+    """`GenerationMixin._assisted_decoding`, routed to the tree loop when the assistant is a PosS draft."""
+    method = _tree_assisted_decoding if is_tree_draft(assistant_model) else _ORIGINALS["_assisted_decoding"]
+    return method(
+        self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
+        streamer=streamer, inputs_tensor=inputs_tensor, assistant_model=assistant_model,
+        assistant_tokenizer=assistant_tokenizer, tokenizer=tokenizer, **model_kwargs,
+    )  # fmt: skip
+
+
+def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+    """`GenerationMixin._validate_generation_mode` with the checks of a PosS draft instead of the vocab comparison."""
+    draft = generation_mode_kwargs.get("assistant_model")
+    if is_tree_draft(draft):
+        _check_generation_config(self, draft, generation_mode, generation_config)
+        generation_mode_kwargs = {k: v for k, v in generation_mode_kwargs.items() if k != "assistant_model"}
+    return _ORIGINALS["_validate_generation_mode"](self, generation_mode, generation_config, generation_mode_kwargs)
+
+
+_PATCHES = {"_assisted_decoding": _assisted_decoding, "_validate_generation_mode": _validate_generation_mode}
+
+
+def enable_tree_generation() -> None:
+    """Make ``generate(assistant_model=<PosS draft>)`` run tree speculation (idempotent; done on import)."""
+    for name, patch in _PATCHES.items():
+        current = GenerationMixin.__dict__[name]
+        if current is patch:
+            continue
+        _ORIGINALS[name] = current
+        setattr(GenerationMixin, name, patch)
+
+
+def disable_tree_generation() -> None:
+    """Restore transformers' own assisted decoding (a PosS draft then fails in the stock validation)."""
+    for name, original in list(_ORIGINALS.items()):
+        if GenerationMixin.__dict__.get(name) is _PATCHES[name]:
+            setattr(GenerationMixin, name, original)
+        del _ORIGINALS[name]
+
+
+install_generation_hook = enable_tree_generation
+uninstall_generation_hook = disable_tree_generation
+
+
+def is_tree_generation_enabled() -> bool:
+    return all(GenerationMixin.__dict__.get(name) is patch for name, patch in _PATCHES.items())

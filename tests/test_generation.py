@@ -1,0 +1,250 @@
+"""``target.generate(assistant_model=<PosS draft>)``: identical to plain generate, with the stock path kept otherwise."""
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+from transformers.generation.streamers import BaseStreamer
+from transformers.generation.utils import GenerationMixin
+
+import transformers_poss
+from transformers_poss import PosSDraftConfig, PosSDraftModel, generation, verification
+from transformers_poss.generation import PosSCandidateGenerator, PosSGenerateOutput
+from tree_testing import (
+    OracleProposer,
+    RandomProposer,
+    tiny_gemma3_target,
+    tiny_llama_target,
+    tiny_tokenizer,
+    train_draft_briefly,
+)
+
+VOCAB = 96
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add overhead on a shared CPU
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_draft(target, depth=4, top_k=4, total=16, seed=1):
+    torch.manual_seed(seed)
+    config = PosSDraftConfig.for_target(target.config, num_specialists=2, positions_per_specialist=1)
+    draft = PosSDraftModel(config).eval().attach_target(target)
+    draft.generation_config.tree_depth = depth
+    draft.generation_config.tree_top_k = top_k
+    draft.generation_config.tree_total_tokens = total
+    return draft
+
+
+def prompts(count, length=8, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (1, length), generator=gen) for _ in range(count)]
+
+
+def use_proposer(monkeypatch, factory):
+    """Replace the draft's proposer by ``factory(candidate_generator)``; returns the list of proposers made."""
+    made = []
+
+    def make(self):
+        made.append(factory(self))
+        return made[-1]
+
+    monkeypatch.setattr(PosSCandidateGenerator, "_make_proposer", make)
+    return made
+
+
+def truncated_last_run(out, prompt) -> bool:
+    """Whether the last round accepted more tokens than generation kept (a stop fired inside the run)."""
+    return 1 + sum(out.acceptance.accepted_lengths) > out.sequences.shape[1] - prompt.shape[1]
+
+
+def assert_same(target, draft, prompt, **kwargs):
+    expected = target.generate(prompt, **kwargs)
+    out = target.generate(prompt, assistant_model=draft, return_dict_in_generate=True, **kwargs)
+    assert isinstance(out, PosSGenerateOutput)
+    assert out.sequences.tolist() == expected.tolist()
+    return out
+
+
+# ---------------------------------------------------------------- greedy equality
+
+
+@pytest.mark.parametrize("make", [tiny_llama_target, tiny_gemma3_target])
+@pytest.mark.parametrize("shape", [(1, 1, 2), (3, 2, 5), (4, 4, 16), (6, 10, 60)])
+def test_greedy_identical_with_random_draft(make, shape):
+    target = make()
+    draft = make_draft(target, *shape)
+    for prompt in prompts(2):
+        assert_same(target, draft, prompt, max_new_tokens=20, do_sample=False)
+
+
+@pytest.mark.parametrize("make", [tiny_llama_target, tiny_gemma3_target])
+def test_greedy_identical_with_trained_draft(make):
+    """A briefly trained draft accepts several tokens per round (non-contiguous rows gathered in the cache)."""
+    target = make()
+    draft = make_draft(target, depth=4, top_k=4, total=16)
+    train_draft_briefly(target, draft, prompts(3), steps=120)
+    longest = 0
+    for prompt in prompts(4):
+        out = assert_same(target, draft, prompt, max_new_tokens=32, do_sample=False)
+        longest = max(longest, max(out.acceptance.accepted_lengths))
+        assert out.acceptance.mean_acceptance_length >= 1.0
+    assert longest >= 3
+
+
+@pytest.mark.parametrize("make", [tiny_llama_target, tiny_gemma3_target])
+def test_greedy_identical_with_oracle_trees(monkeypatch, make):
+    """Trees around the target's continuation, level-ordered: long accepted runs, scattered rows, exact features."""
+    target = make()
+    draft = make_draft(target)
+    for prompt in prompts(2, length=9):
+        made = use_proposer(monkeypatch, lambda gen, p=prompt: OracleProposer(target, p, depth=5, corrupt=0.2))
+        out = assert_same(target, draft, prompt, max_new_tokens=30, do_sample=False)
+        assert max(out.acceptance.accepted_lengths) >= 4
+        assert max(made[0].feature_errors) < 1e-4  # the draft got the target's post-norm features of each pair
+
+
+def test_first_draft_call_gets_whole_prompt_then_accepted_tokens(monkeypatch):
+    target = tiny_llama_target()
+    made = use_proposer(monkeypatch, lambda gen: RandomProposer(VOCAB, num_nodes=6, max_depth=2))
+    prompt = prompts(1)[0]
+    out = target.generate(prompt, assistant_model=make_draft(target), max_new_tokens=12, return_dict_in_generate=True)
+    calls = made[0].calls
+    first_ids, first_features = calls[0]
+    assert first_ids.tolist() == [prompt[0, 1:].tolist() + [int(out.sequences[0, 8])]]
+    assert first_features.shape == (1, 8, 64)
+    sizes = [ids.shape[1] for ids, _ in calls[1:]]
+    assert sizes == out.acceptance.accepted_lengths[: len(sizes)]
+
+
+@pytest.mark.parametrize("make", [tiny_llama_target, tiny_gemma3_target])
+def test_processors_repetition_penalty_and_min_length(monkeypatch, make):
+    target = make()
+    draft = make_draft(target)
+    settings = dict(repetition_penalty=1.5, no_repeat_ngram_size=3)
+    for prompt in prompts(2):
+        use_proposer(monkeypatch, lambda gen, p=prompt: OracleProposer(target, p, depth=4, **settings))
+        out = assert_same(
+            target, draft, prompt, max_new_tokens=24, do_sample=False, min_new_tokens=5, eos_token_id=[1, 7], **settings
+        )
+        assert max(out.acceptance.accepted_lengths) >= 3
+
+
+# ---------------------------------------------------------------- stopping
+
+
+def _continuation(target, prompt, n=24):
+    return target.generate(prompt, max_new_tokens=n, do_sample=False)[0, prompt.shape[1] :].tolist()
+
+
+def test_eos_inside_an_accepted_run(monkeypatch):
+    target = tiny_llama_target()
+    draft = make_draft(target)
+    prompt = prompts(1)[0]
+    tokens = _continuation(target, prompt)
+    eos = [tokens[9], 200]  # several eos ids, one of them appears mid-continuation
+    use_proposer(monkeypatch, lambda gen: OracleProposer(target, prompt, depth=6, corrupt=0.0))
+    out = assert_same(target, draft, prompt, max_new_tokens=24, do_sample=False, eos_token_id=eos)
+    stop = tokens.index(tokens[9])
+    assert out.sequences.shape[1] == prompt.shape[1] + stop + 1
+    assert truncated_last_run(out, prompt)
+
+
+def test_max_length_and_max_new_tokens(monkeypatch):
+    target = tiny_llama_target()
+    draft = make_draft(target)
+    prompt = prompts(1)[0]
+    use_proposer(monkeypatch, lambda gen: OracleProposer(target, prompt, depth=6, corrupt=0.0))
+    for kwargs in ({"max_new_tokens": 1}, {"max_new_tokens": 2}, {"max_new_tokens": 13}, {"max_length": 17}):
+        out = assert_same(target, draft, prompt, do_sample=False, **kwargs)
+        assert out.sequences.shape[1] == prompt.shape[1] + kwargs.get("max_new_tokens", 17 - prompt.shape[1])
+        assert not truncated_last_run(out, prompt)  # trees are cut to the remaining budget
+
+
+def test_stop_strings_and_custom_criteria(monkeypatch):
+    target = tiny_llama_target()
+    tokenizer = tiny_tokenizer()
+    draft = make_draft(target)
+    prompt = prompts(1)[0]
+    tokens = _continuation(target, prompt)
+    pieces = tokenizer.convert_ids_to_tokens(tokens)
+    stop = pieces[4][-1] + pieces[5][0]  # spans a token boundary, inside the first accepted run
+    use_proposer(monkeypatch, lambda gen: OracleProposer(target, prompt, depth=6, corrupt=0.0))
+    out = assert_same(target, draft, prompt, max_new_tokens=24, stop_strings=[stop], tokenizer=tokenizer)
+    assert out.sequences.shape[1] < prompt.shape[1] + 24 and truncated_last_run(out, prompt)
+
+    class StopAfterToken(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == tokens[5]
+
+    criteria = StoppingCriteriaList([StopAfterToken()])
+    out = assert_same(target, draft, prompt, max_new_tokens=24, stopping_criteria=criteria)
+    assert out.sequences[0, -1] == tokens[5] and out.sequences.shape[1] < prompt.shape[1] + 24
+    assert truncated_last_run(out, prompt)
+
+
+# ---------------------------------------------------------------- outputs, streamers, masks
+
+
+def test_return_dict_scores_logits_and_acceptance(monkeypatch):
+    target = tiny_llama_target()
+    draft = make_draft(target)
+    prompt = prompts(1)[0]
+    kwargs = dict(max_new_tokens=12, repetition_penalty=1.3, output_scores=True, output_logits=True)
+    expected = target.generate(prompt, return_dict_in_generate=True, **kwargs)
+    use_proposer(monkeypatch, lambda gen: OracleProposer(target, prompt, depth=4, repetition_penalty=1.3))
+    out = target.generate(prompt, assistant_model=draft, return_dict_in_generate=True, **kwargs)
+    assert out.sequences.tolist() == expected.sequences.tolist()
+    assert len(out.scores) == len(out.logits) == 12
+    for ours, theirs in zip(out.scores + out.logits, expected.scores + expected.logits):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    acceptance = out.acceptance
+    assert sum(acceptance.accepted_lengths) >= 11  # the first token comes from the prefill
+    assert len(acceptance.position_acceptance) >= 1
+    assert set(acceptance.timings) == {"drafting", "verification", "acceptance", "cache_update"}
+    assert out.cache.get_seq_length() == out.sequences.shape[1] - 1
+    assert isinstance(target.generate(prompt, assistant_model=draft, max_new_tokens=3), torch.Tensor)
+
+
+def test_streamers_receive_tokens_as_accepted(monkeypatch):
+    target = tiny_llama_target()
+    tokenizer = tiny_tokenizer()
+    draft = make_draft(target)
+    prompt = prompts(1)[0]
+
+    class Recorder(BaseStreamer):
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    recorder = Recorder()
+    use_proposer(monkeypatch, lambda gen: OracleProposer(target, prompt, depth=5, corrupt=0.0))
+    out = target.generate(prompt, assistant_model=draft, max_new_tokens=16, streamer=recorder)
+    assert recorder.ended and recorder.puts[0] == prompt[0].tolist()
+    assert sum(recorder.puts[1:], []) == out[0, prompt.shape[1] :].tolist()
+    assert max(len(p) for p in recorder.puts[1:]) > 1  # whole accepted runs at once
+
+    text_streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    use_proposer(monkeypatch, lambda gen: OracleProposer(target, prompt, depth=5, corrupt=0.0))
+    out = target.generate(prompt, assistant_model=draft, max_new_tokens=16, streamer=text_streamer)
+    assert "".join(text_streamer) == tokenizer.decode(out[0, prompt.shape[1] :])
+
+
+def test_left_padded_attention_mask(monkeypatch):
+    target = tiny_llama_target()
+    draft = make_draft(target)
+    prompt = torch.cat([torch.zeros(1, 3, dtype=torch.long), prompts(1)[0]], dim=-1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 8, dtype=torch.long)], dim=-1)
+    use_proposer(monkeypatch, lambda gen: OracleProposer(target, prompt, depth=4, corrupt=0.0, padding=3))
+    expected = target.generate(prompt, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    out = target.generate(prompt, attention_mask=mask, assistant_model=draft, max_new_tokens=16, do_sample=False)
+    assert out.tolist() == expected.tolist()
+    assert expected.tolist() != target.generate(prompt, max_new_tokens=16, do_sample=False).tolist()
