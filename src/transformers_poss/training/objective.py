@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 __all__ = ["ObjectiveConfig", "set_objective", "get_objective", "unroll", "training_forward", "step_attention_mask"]
 
@@ -160,7 +161,11 @@ def unroll(draft, input_ids, target_hidden_states, num_steps: int, chunk_size: i
             if (specialist, j) not in kv_cache:
                 kv_cache[(specialist, j)] = layer.project_kv(rows[j], pos_emb)
             blocks.append(kv_cache[(specialist, j)])
-        outputs.append(_step_attention(layer, rows, pos_emb, blocks, step, chunk_size))
+        if getattr(draft, "_poss_checkpoint_layers", False) and torch.is_grad_enabled():
+            out = checkpoint(_step_attention, layer, rows, pos_emb, blocks, step, chunk_size, use_reentrant=False)
+        else:
+            out = _step_attention(layer, rows, pos_emb, blocks, step, chunk_size)
+        outputs.append(out)
     return outputs
 
 
@@ -185,27 +190,29 @@ def _step_masks(loss_mask: torch.Tensor, num_steps: int) -> list[torch.BoolTenso
 
 
 def _chain_counts(correct_maps, masks):
-    """Counts for position-wise acceptance along the target's continuation.
+    """Counts for the position-wise acceptance rate along the target's continuation.
 
-    ``chain[k]``: positions t where steps 0..k are all correct on the chain ending at t (step j at t - k + j);
-    ``valid[k]``: positions where every step of that chain lies in its mask.
+    For depth k + 1 and query t the chain is step j at position t - k + j, j = 0..k. Among chains lying entirely
+    in their steps' masks, ``numerator[k]`` counts those with steps 0..k all correct and ``denominator[k]`` those
+    with steps 0..k-1 all correct: their ratio estimates P(depth k+1 accepted | depths 1..k accepted).
     """
-    chain, valid = [], []
+    numerator, denominator = [], []
     length = masks[0].shape[1]
     for k in range(len(masks)):
-        all_ok = torch.ones_like(masks[k])
-        all_in = masks[k].clone()
+        before = torch.ones_like(masks[k])
+        inside = masks[k].clone()
         for j in range(k + 1):
-            shift = k - j  # step j's chain member for query t is at t - shift
+            shift = k - j  # step j's member of the chain ending at t is at t - shift
             ok = torch.zeros_like(masks[k])
-            inside = torch.zeros_like(masks[k])
+            member = torch.zeros_like(masks[k])
             ok[:, shift:] = correct_maps[j][:, : length - shift]
-            inside[:, shift:] = masks[j][:, : length - shift]
-            all_ok &= ok
-            all_in &= inside
-        chain.append((all_ok & all_in).sum())
-        valid.append(all_in.sum())
-    return chain, valid
+            member[:, shift:] = masks[j][:, : length - shift]
+            inside &= member
+            if j < k:
+                before &= ok
+        denominator.append((before & inside).sum())
+        numerator.append((before & inside & correct_maps[k]).sum())
+    return numerator, denominator
 
 
 def training_forward(draft, input_ids, target_hidden_states, loss_mask, objective=None, num_items_in_batch=None,
@@ -276,10 +283,10 @@ def training_forward(draft, input_ids, target_hidden_states, loss_mask, objectiv
             metrics[f"correct_{depth}"] = hits.sum()
             metrics[f"count_{depth}"] = count
     with torch.no_grad():
-        chain, valid = _chain_counts(correct_maps, masks)
+        numerator, denominator = _chain_counts(correct_maps, masks)
         for k in range(num_steps):
-            metrics[f"chain_correct_{k + 1}"] = chain[k]
-            metrics[f"chain_count_{k + 1}"] = valid[k]
+            metrics[f"chain_accepted_{k + 1}"] = numerator[k]
+            metrics[f"chain_reached_{k + 1}"] = denominator[k]
     if return_step_features:
         metrics["step_features"] = outputs
     return PosSDraftOutput(loss=loss, last_hidden_state=outputs[0], metrics=metrics)

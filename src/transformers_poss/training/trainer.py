@@ -1,0 +1,234 @@
+"""`PosSTrainer` / `PosSTrainingArguments`: the transformers Trainer plus what drafts need.
+
+A plain `transformers.Trainer` already trains a draft on offline features (the draft's forward returns the loss; set
+``remove_unused_columns=False``). `PosSTrainer` adds:
+
+- online features: the frozen target (a causal LM or a `peft.PeftModel`) runs inside the training step;
+- the objective settings (loss weights, noise, unrolled steps) as training arguments;
+- gradient clipping by value (the authors' recipe) and layer checkpointing of the unrolled steps;
+- evaluation of position-wise accuracy and acceptance (draft depth 1..K along the target's own continuation);
+- DDP with specialists that a run never uses (``ddp_find_unused_parameters`` set accordingly);
+- per-depth training accuracies in the logs.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from .features import PosSDataCollator, TargetFeatures, draft_inputs
+from .objective import ObjectiveConfig, set_objective
+
+__all__ = ["PosSTrainingArguments", "PosSTrainer", "ClipGradValueCallback", "init_specialists", "unwrap_draft"]
+
+
+@dataclass
+class PosSTrainingArguments(TrainingArguments):
+    r"""[`TrainingArguments`] with the draft objective's settings and the PosS authors' optimiser defaults
+    (AdamW lr 3e-5, betas (0.9, 0.95), 1% linear warmup then linear decay, gradient clipping by value 0.5).
+
+    Args:
+        num_unrolled_steps (`int`, *optional*): steps unrolled per batch (default: the draft's training_depth).
+        feature_weight, ce_weight, topk_weight, topk: loss weights (see [`ObjectiveConfig`]).
+        noise, noise_scale: input-feature noise (``"uniform"`` width or ``"gaussian"`` std; ``"none"``).
+        attention_chunk_size (`int`): queries per attention call in unrolled steps.
+        max_length (`int`): tokens per sequence (longer ones are truncated by the collator).
+        max_grad_value (`float`, *optional*): clip every gradient entry to [-v, v] before the optimiser step.
+    """
+
+    num_unrolled_steps: int | None = field(default=None, metadata={"help": "Unrolled steps (default: training_depth)."})
+    feature_weight: float = field(default=1.0, metadata={"help": "SmoothL1 feature loss weight."})
+    ce_weight: float = field(default=0.1, metadata={"help": "Soft cross-entropy weight."})
+    topk_weight: float = field(default=0.0, metadata={"help": "HASS top-k distillation weight."})
+    topk: int = field(default=10, metadata={"help": "Tokens of the top-k term."})
+    noise: str = field(default="uniform", metadata={"help": "Input-feature noise: uniform, gaussian or none."})
+    noise_scale: float = field(default=0.05, metadata={"help": "Uniform noise width or gaussian std."})
+    attention_chunk_size: int = field(default=256, metadata={"help": "Queries per attention call (memory bound)."})
+    max_length: int = field(default=2048, metadata={"help": "Maximum tokens per sequence."})
+    max_grad_value: float | None = field(default=0.5, metadata={"help": "Clip gradients by value (None: off)."})
+    learning_rate: float = field(default=3e-5, metadata={"help": "AdamW learning rate."})
+    adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
+    warmup_steps: float = field(default=0.01, metadata={"help": "Warmup steps, or a ratio of all steps if < 1."})
+    max_grad_norm: float = field(default=0.0, metadata={"help": "Clip by norm (0: off; clipping is by value)."})
+    remove_unused_columns: bool = field(default=False, metadata={"help": "Keep the draft's training inputs."})
+
+    def objective(self) -> ObjectiveConfig:
+        return ObjectiveConfig(
+            num_steps=self.num_unrolled_steps, feature_weight=self.feature_weight, ce_weight=self.ce_weight,
+            topk_weight=self.topk_weight, topk=self.topk, noise=self.noise, noise_scale=self.noise_scale,
+            attention_chunk_size=self.attention_chunk_size,
+        )
+
+
+class ClipGradValueCallback(TrainerCallback):
+    """Clips every gradient entry to ``[-max_value, max_value]`` after accumulation, before the optimiser step."""
+
+    def __init__(self, max_value: float):
+        self.max_value = max_value
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        torch.nn.utils.clip_grad_value_([p for p in model.parameters() if p.grad is not None], self.max_value)
+
+
+def unwrap_draft(model):
+    """The `PosSDraftModel` inside a PeftModel / DDP wrapper."""
+    while True:
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif hasattr(model, "module"):
+            model = model.module
+        else:
+            return model
+
+
+@torch.no_grad()
+def init_specialists(draft, source, copy_fc: bool = True):
+    """Initialise ``draft``'s specialists from ``source``: a single-layer (EAGLE/HASS) or PosS draft, or a folder.
+
+    Specialist i gets source layer ``min(i, S_source - 1)``; ``fc`` is copied too when ``copy_fc``.
+    """
+    if isinstance(source, str):
+        from ..modeling_poss import PosSDraftModel
+
+        try:
+            source = PosSDraftModel.from_pretrained(source)
+        except (OSError, ValueError, KeyError):
+            source = PosSDraftModel.from_official(source, positions_per_specialist=1)
+    for i, layer in enumerate(draft.layers):
+        layer.load_state_dict(source.layers[min(i, len(source.layers) - 1)].state_dict())
+    if copy_fc:
+        draft.fc.load_state_dict(source.fc.state_dict())
+    return draft
+
+
+class PosSTrainer(Trainer):
+    """Trainer for PosS drafts.
+
+    Args:
+        model: a [`PosSDraftModel`] (or a PeftModel around one).
+        args ([`PosSTrainingArguments`]).
+        target (*optional*): the target model; needed for online features (batches without stored features) and
+            attached to the draft when it is not attached yet.
+        Other arguments as for [`Trainer`]. The default collator is [`PosSDataCollator`].
+    """
+
+    def __init__(self, model=None, args: PosSTrainingArguments | None = None, target=None, data_collator=None,
+                 processing_class=None, callbacks=None, **kwargs):
+        args = args or PosSTrainingArguments(output_dir="poss-draft")
+        draft = unwrap_draft(model)
+        if target is not None:
+            if not draft.is_attached:
+                draft.attach_target(target)
+            self.target_features = TargetFeatures(target)
+        else:
+            self.target_features = None
+        objective = args.objective() if hasattr(args, "objective") else ObjectiveConfig()
+        set_objective(draft, objective)
+        self._configure_checkpointing(draft, args)
+        self._configure_ddp(draft, args, objective)
+        pad = getattr(processing_class, "pad_token_id", None) or draft.config.pad_token_id or 0
+        self.pad_token_id = pad
+        data_collator = data_collator or PosSDataCollator(pad, getattr(args, "max_length", None))
+        callbacks = list(callbacks or [])
+        if getattr(args, "max_grad_value", None):
+            callbacks.append(ClipGradValueCallback(args.max_grad_value))
+        super().__init__(model=model, args=args, data_collator=data_collator, processing_class=processing_class,
+                         callbacks=callbacks, **kwargs)
+        if target is not None and next(target.parameters()).device != self.args.device:
+            target.to(self.args.device)
+        self._train_metrics = defaultdict(list)
+
+    # ------------------------------------------------------------------ setup
+    @staticmethod
+    def _configure_checkpointing(draft, args):
+        """Checkpoint each unrolled step's layer call (the Trainer's own switch does not apply to draft layers)."""
+        wanted = bool(getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False))
+        object.__setattr__(draft, "_poss_checkpoint_layers", wanted)
+        for name in ("gradient_checkpointing", "activation_checkpointing"):
+            if getattr(args, name, False):
+                setattr(args, name, False)
+
+    @staticmethod
+    def _configure_ddp(draft, args, objective):
+        """DDP must look for unused parameters when some specialist is never run by the unrolled steps."""
+        if args.ddp_find_unused_parameters is not None:
+            return
+        steps = objective.num_steps or draft.config.training_depth
+        used = {draft.config.specialist_for_step(k) for k in range(steps)}
+        args.ddp_find_unused_parameters = len(used) < draft.config.num_specialists
+
+    # ------------------------------------------------------------------ loss
+    def _with_features(self, inputs: dict) -> dict:
+        """Add target features to a token batch (online); batches with stored features pass through."""
+        if "tokens" not in inputs:
+            return inputs
+        if self.target_features is None:
+            raise ValueError("This batch has no stored features: pass `target=` to PosSTrainer for online features.")
+        tokens, attention = inputs["tokens"], inputs["attention_mask"]
+        features = self.target_features(tokens, attention)
+        return draft_inputs(tokens, inputs["loss_mask"], features, self.pad_token_id)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**self._with_features(inputs))
+        if model.training:
+            for key, value in outputs.metrics.items():
+                if key.startswith("acc_") or key.startswith("loss_"):
+                    self._train_metrics[key].append(float(value))
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+    def log(self, logs: dict, start_time=None) -> None:
+        if "loss" in logs and self._train_metrics:
+            logs.update({k: sum(v) / len(v) for k, v in self._train_metrics.items()})
+            self._train_metrics.clear()
+        super().log(logs, start_time)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        """Loss, per-depth top-1 accuracy and position-wise acceptance on the held-out set.
+
+        Logged per draft depth d: ``{prefix}_acc_{d}`` (agreement with the target's top-1 given the target's own
+        continuation as ancestors), ``{prefix}_accept_{d}`` (the same given depths 1..d-1 were right: the greedy
+        position-wise acceptance rate of a chain) and ``{prefix}_chain_tau`` (expected tokens per target forward of
+        a depth-K chain, bonus token included).
+        """
+        dataloader = self.get_eval_dataloader(eval_dataset)
+        metrics = evaluate_draft(self.model, dataloader, self._prepare_inputs, self._with_features, self.accelerator)
+        metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+
+@torch.no_grad()
+def evaluate_draft(model, batches, prepare=lambda b: b, with_features=lambda b: b, accelerator=None) -> dict:
+    """Aggregate the objective's metrics over ``batches`` (summed over processes when ``accelerator`` is given)."""
+    was_training = model.training
+    model.eval()
+    sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+    for batch in batches:
+        out = model(**with_features(prepare(batch)))
+        sums["loss"] += float(out.loss)
+        sums["batches"] += 1
+        for key, value in out.metrics.items():
+            if key.startswith(("correct_", "count_", "chain_")):
+                sums[key] += float(value)
+    model.train(was_training)
+    keys = sorted(sums)
+    totals = torch.stack([sums[k] for k in keys])
+    if accelerator is not None and accelerator.num_processes > 1:
+        totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
+    sums = dict(zip(keys, totals.tolist()))
+    metrics = {"loss": sums["loss"] / max(sums["batches"], 1)}
+    depth, tau, reach = 1, 1.0, 1.0
+    while f"count_{depth}" in sums:
+        metrics[f"acc_{depth}"] = sums[f"correct_{depth}"] / max(sums[f"count_{depth}"], 1)
+        accept = sums[f"chain_accepted_{depth}"] / max(sums[f"chain_reached_{depth}"], 1)
+        metrics[f"accept_{depth}"] = accept
+        reach *= accept
+        tau += reach
+        depth += 1
+    metrics["chain_tau"] = tau
+    return metrics
