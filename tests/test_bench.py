@@ -80,6 +80,17 @@ def test_report_layout_and_lossless_methods(model, prompts):
     json.dumps(report)  # JSON-ready
 
 
+def test_chain_assistant_method(model, prompts):
+    from transformers_poss.bench_methods import assistant_method
+
+    assistant = tiny_llama(vocab_size=128, hidden_size=16, layers=1, seed=5)
+    methods = [baseline_method(model), assistant_method("assistant:tiny", model, assistant, "tiny")]
+    entry = run_report(model, prompts[:2], methods, tokens=8)["methods"]["assistant:tiny"]
+    assert entry["identical_to_baseline"] == 2 and entry["info"]["kind"] == "chain_assistant"
+    assert all(sum(row["accepted_lengths"]) == 8 for row in entry["per_prompt"])
+    assert entry["position_acceptance"] is not None
+
+
 def test_broken_method_is_caught(model, prompts, capsys):
     methods = [baseline_method(model), broken(model, prompt_index=1, position=2)]
     report = run_report(model, prompts, methods)
@@ -242,6 +253,42 @@ def test_cli_help_lists_the_contract_flags(capsys):
     assert cli.main([]) == 2
 
 
+def test_cli_generate(tiny_target_dir, capsys):
+    status = cli.main(["generate", "--target", str(tiny_target_dir), "--max-new-tokens", "5", "w1 w2 w3"])
+    assert status == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() and "tokens/s" in captured.err
+
+
 def test_draft_labels():
     assert bench_cli._labelled(["drafts/a/", "x=drafts/b", "other/a"]) == [
         ("a", "drafts/a/"), ("x", "drafts/b"), ("a-2", "other/a")]
+
+
+# ------------------------------------------------------------------------------------------ PosS tree speculation
+def test_tree_draft_method_and_sweep(model, prompts):
+    from helpers import tiny_draft
+
+    from transformers_poss.bench_methods import draft_method
+
+    draft = tiny_draft(model)
+    own_shape = (draft.generation_config.tree_depth, draft.generation_config.tree_total_tokens)
+    methods = [baseline_method(model), draft_method("poss", model, draft, "tiny", depth=3, top_k=3, total_tokens=6)]
+    for depth, total in ((2, 4), (3, 8)):
+        method = draft_method(f"poss[d={depth},n={total}]", model, draft, "tiny", depth, 2, total)
+        method.info.update({"sweep": True, "draft": "poss"})
+        methods.append(method)
+    report = run_report(model, prompts[:2], methods, tokens=8)
+    for name, entry in report["methods"].items():
+        assert entry["identical_to_baseline"] == 2, name  # lossless
+    entry = report["methods"]["poss"]
+    assert entry["info"]["tree"] == {"depth": 3, "top_k": 3, "total_tokens": 6}
+    for row in entry["per_prompt"]:  # rounds cover every new token except the one from the prefill forward
+        assert row["new_tokens"] - 1 <= sum(row["accepted_lengths"]) <= row["new_tokens"] == 8
+    assert entry["mean_acceptance_length"] >= 1.0
+    assert 1 <= len(entry["position_acceptance"]) <= 3
+    assert {"drafting", "verification", "other"} <= set(entry["time_split"]["seconds"])
+    assert (draft.generation_config.tree_depth, draft.generation_config.tree_total_tokens) == own_shape
+    shapes = report["sweep"]["shapes"]
+    assert [(s["depth"], s["total_tokens"]) for s in shapes] == [(2, 4), (3, 8)]
+    assert report["sweep"]["best"]["poss"]["speedup"] == max(s["speedup"] for s in shapes)
