@@ -2,7 +2,17 @@
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+from transformers import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TextIteratorStreamer,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.cache_utils import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
 
@@ -12,6 +22,8 @@ from transformers_poss.generation import PosSCandidateGenerator, PosSGenerateOut
 from tree_testing import (
     OracleProposer,
     RandomProposer,
+    TargetTopKProposer,
+    chi_square_p_value,
     tiny_gemma3_target,
     tiny_llama_target,
     tiny_tokenizer,
@@ -248,3 +260,205 @@ def test_left_padded_attention_mask(monkeypatch):
     out = target.generate(prompt, attention_mask=mask, assistant_model=draft, max_new_tokens=16, do_sample=False)
     assert out.tolist() == expected.tolist()
     assert expected.tolist() != target.generate(prompt, max_new_tokens=16, do_sample=False).tolist()
+
+
+# ---------------------------------------------------------------- sampling is lossless
+
+SMALL_VOCAB = 8
+
+
+@pytest.fixture(scope="module")
+def sampling_target():
+    target = tiny_llama_target(vocab_size=SMALL_VOCAB, seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(6)  # peaked distributions, like a trained LM
+    target.generation_config.eos_token_id = None
+    return target
+
+
+def exact_joint(target, prompt, processors):
+    """P(t1, t2, t3) `[V, V, V]` enumerated with the target and the processors applied row by row."""
+    vocab = SMALL_VOCAB
+
+    def dist(ids):
+        with torch.no_grad():
+            return torch.softmax(processors(ids, target(ids).logits[:, -1].float()), dim=-1)
+
+    ids2 = torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], dim=1)
+    ids3 = torch.cat([ids2.repeat_interleave(vocab, 0), torch.arange(vocab).repeat(vocab)[:, None]], dim=1)
+    return dist(prompt)[0][:, None, None] * dist(ids2)[:, :, None] * dist(ids3).view(vocab, vocab, vocab)
+
+
+def sample_counts(target, draft, prompt, runs, **kwargs):
+    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB, SMALL_VOCAB)
+    lengths = []
+    for _ in range(runs):
+        out = target.generate(
+            prompt, assistant_model=draft, do_sample=True, max_new_tokens=4, return_dict_in_generate=True, **kwargs
+        )
+        t1, t2, t3 = out.sequences[0, prompt.shape[1] : prompt.shape[1] + 3].tolist()
+        counts[t1, t2, t3] += 1
+        lengths += out.acceptance.accepted_lengths
+    return counts, lengths
+
+
+def sampling_p_values(counts, joint):
+    """Pearson p-values of the (t1, t2) and (t2, t3) joints (t3 comes from depth-2 acceptances)."""
+    return chi_square_p_value(counts.sum(2), joint.sum(2)), chi_square_p_value(counts.sum(0), joint.sum(0))
+
+
+SAMPLING_CASES = {
+    "plain": ({}, []),
+    "temperature-top-p": ({"temperature": 0.7, "top_p": 0.9}, [TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)]),
+    "penalty-top-k": (
+        {"temperature": 0.8, "top_k": 5, "repetition_penalty": 1.3},
+        [RepetitionPenaltyLogitsProcessor(1.3), TemperatureLogitsWarper(0.8), TopKLogitsWarper(5)],
+    ),
+}
+RUNS = 600
+ALPHA = 1e-3  # false-alarm rate of each Pearson test (two per case); the seed is fixed, so runs are reproducible
+
+
+@pytest.mark.parametrize(
+    "case, proposer", [("plain", "target-top-k"), ("temperature-top-p", "target-top-k"), ("penalty-top-k", "draft")]
+)
+def test_sampling_keeps_the_target_distribution(monkeypatch, sampling_target, case, proposer):
+    target = sampling_target
+    prompt = torch.tensor([[1, 5, 2, 7]])
+    draft = make_draft(target, depth=2, top_k=3, total=8)
+    if proposer == "target-top-k":
+        use_proposer(monkeypatch, lambda gen: TargetTopKProposer(target, prompt))
+    kwargs, processors = SAMPLING_CASES[case]
+    torch.manual_seed(0)
+    counts, lengths = sample_counts(target, draft, prompt, RUNS, **kwargs)
+    assert lengths.count(3) > 0  # depth-2 acceptances happened
+    joint = exact_joint(target, prompt, LogitsProcessorList(processors))
+    assert min(sampling_p_values(counts, joint)) > ALPHA
+
+
+def test_broken_acceptance_rule_fails_the_same_test(monkeypatch, sampling_target):
+    """Accepting child i with p(x_i), without renormalising after rejections, is caught by the test above."""
+
+    def broken(probs, child_tokens, generator=None):
+        for i, token in enumerate(child_tokens.tolist()):
+            if float(torch.rand(1)) < float(probs[token]):
+                return i, token
+        residual = probs.clone()
+        residual[child_tokens] = 0
+        return -1, int(torch.multinomial(residual if residual.sum() > 0 else probs, 1))
+
+    target = sampling_target
+    prompt = torch.tensor([[1, 5, 2, 7]])
+    use_proposer(monkeypatch, lambda gen: TargetTopKProposer(target, prompt))
+    monkeypatch.setattr(verification, "rejection_sample_children", broken)
+    torch.manual_seed(0)
+    counts, _ = sample_counts(target, make_draft(target, depth=2, top_k=3, total=8), prompt, RUNS)
+    joint = exact_joint(target, prompt, LogitsProcessorList())
+    assert max(sampling_p_values(counts, joint)) < ALPHA
+
+
+# ---------------------------------------------------------------- clear errors
+
+
+@pytest.fixture(scope="module")
+def llama_and_draft():
+    target = tiny_llama_target()
+    return target, make_draft(target)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_beams": 2}, "num_beams=1"),
+        ({"do_sample": True, "num_return_sequences": 2}, "num_return_sequences"),
+        ({"cache_implementation": "static"}, "static"),
+        ({"cache_implementation": "quantized"}, "quantized"),
+        ({"cache_implementation": "offloaded"}, "offloaded"),
+        ({"max_new_tokens": 300}, "max_position_embeddings"),
+        ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions"),
+        ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens"),
+    ],
+)
+def test_clear_errors_for_unsupported_settings(llama_and_draft, kwargs, message):
+    target, draft = llama_and_draft
+    kwargs = {"max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        target.generate(prompts(1)[0], assistant_model=draft, **kwargs)
+
+
+def test_clear_errors_for_unsupported_inputs(llama_and_draft, monkeypatch):
+    target, draft = llama_and_draft
+    prompt = prompts(1)[0]
+    with pytest.raises(ValueError, match="batch size 1"):
+        target.generate(prompt.repeat(2, 1), assistant_model=draft, max_new_tokens=4)
+
+    class QuantizedLikeCache(DynamicCache):
+        pass
+
+    with pytest.raises(ValueError, match="quantized"):
+        target.generate(prompt, assistant_model=draft, max_new_tokens=4, cache=QuantizedLikeCache(config=target.config))
+    monkeypatch.setattr(target.config, "_attn_implementation", "flash_attention_2")
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        target.generate(prompt, assistant_model=draft, max_new_tokens=4)
+
+
+def test_clear_errors_for_drafts_that_do_not_fit(llama_and_draft, monkeypatch):
+    target, _ = llama_and_draft
+    prompt = prompts(1)[0]
+    for other in (tiny_llama_target(vocab_size=64), tiny_gemma3_target()):
+        with pytest.raises(ValueError, match="does not fit this target"):
+            target.generate(prompt, assistant_model=make_draft(other), max_new_tokens=4)
+    loose = PosSDraftModel(PosSDraftConfig.for_target(target.config, num_specialists=1, positions_per_specialist=1))
+
+    def refuse(model):
+        raise RuntimeError("no embeddings to borrow")
+
+    monkeypatch.setattr(loose, "attach_target", refuse)
+    with pytest.raises(ValueError, match="could not be attached"):
+        target.generate(prompt, assistant_model=loose, max_new_tokens=4)
+
+
+def test_generate_attaches_a_detached_draft(llama_and_draft):
+    target, _ = llama_and_draft
+    loose = PosSDraftModel(PosSDraftConfig.for_target(target.config, num_specialists=1, positions_per_specialist=1))
+    prompt = prompts(1)[0]
+    assert_same(target, loose.eval(), prompt, max_new_tokens=6, do_sample=False)
+    assert loose.is_attached
+
+
+# ---------------------------------------------------------------- stock behaviour for other assistants, the hook
+
+
+def test_other_assistants_keep_the_stock_path(llama_and_draft, monkeypatch):
+    target, _ = llama_and_draft
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the tree loop must not run for this assistant")
+
+    monkeypatch.setattr(generation, "_tree_assisted_decoding", fail)
+    prompt = prompts(1)[0]
+    expected = target.generate(prompt, max_new_tokens=10, do_sample=False)
+    small_lm = tiny_llama_target(seed=7, layers=1)
+    assert target.generate(prompt, assistant_model=small_lm, max_new_tokens=10, do_sample=False).tolist() == (
+        expected.tolist()
+    )
+    assert target.generate(prompt, prompt_lookup_num_tokens=3, max_new_tokens=10).tolist() == expected.tolist()
+
+
+def test_hook_is_installed_on_import_and_reversible(llama_and_draft):
+    target, draft = llama_and_draft
+    prompt = prompts(1)[0]
+    assert generation.is_tree_generation_enabled()
+    original = generation._ORIGINALS["_assisted_decoding"]
+    generation.enable_tree_generation()  # idempotent
+    assert generation._ORIGINALS["_assisted_decoding"] is original
+    generation.disable_tree_generation()
+    try:
+        assert not generation.is_tree_generation_enabled()
+        assert GenerationMixin.__dict__["_assisted_decoding"] is original
+        with pytest.raises(Exception):  # the stock loop cannot use a feature-level draft
+            target.generate(prompt, assistant_model=draft, max_new_tokens=4)
+    finally:
+        transformers_poss.generation.enable_tree_generation()
+    assert generation.is_tree_generation_enabled()
+    assert_same(target, draft, prompt, max_new_tokens=6, do_sample=False)

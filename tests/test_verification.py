@@ -92,14 +92,14 @@ def test_sampling_with_top1_is_greedy():
     assert sampled.tokens.tolist() == greedy_accept(tree, logits).tokens.tolist()
 
 
-def _broken_rejection(probs, child_tokens):
+def _broken_rejection(probs, child_tokens, generator=None):
     """Accepts child i with probability p(x_i), forgetting to renormalise after earlier rejections."""
     for i, token in enumerate(child_tokens.tolist()):
         if float(torch.rand(1)) < float(probs[token]):
             return i, token
     residual = probs.clone()
     residual[child_tokens] = 0
-    return -1, int(torch.multinomial(residual, 1))
+    return -1, int(torch.multinomial(residual if residual.sum() > 0 else probs, 1))
 
 
 def _empirical(rule, probs, children, draws):

@@ -213,3 +213,29 @@ def train_draft_briefly(target, draft, prompts, steps=150, lr=3e-3, new_tokens=4
         optimizer.step()
     head.requires_grad_(True)
     return draft.eval()
+
+
+class TargetTopKProposer:
+    """Children are the target's own most likely tokens (``widths[d]`` per node at depth ``d``), best first: the
+    children carry most of the probability mass, so any error in the acceptance rule shows in the samples."""
+
+    def __init__(self, target, prompt, widths=(3, 2)):
+        self.target, self.widths = target, widths
+        self.context = prompt[0, :1].tolist()
+
+    def propose(self, input_ids, target_hidden_states):
+        self.context += input_ids[0].tolist()
+        tokens, parents = [self.context[-1]], [-1]
+        frontier = [(0, self.context)]
+        for width in self.widths:
+            ids = torch.tensor([sequence for _, sequence in frontier])
+            with torch.no_grad():
+                top = self.target(ids).logits[:, -1].topk(width, dim=-1).indices.tolist()
+            next_frontier = []
+            for (node, sequence), children in zip(frontier, top):
+                for token in children:
+                    tokens.append(token)
+                    parents.append(node)
+                    next_frontier.append((len(tokens) - 1, sequence + [token]))
+            frontier = next_frontier
+        return tree_from_parents(tokens, parents)

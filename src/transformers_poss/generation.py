@@ -27,7 +27,13 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
-from .kv_cache import check_cache_supported, compact_cache, prepare_cache_for_tree, tree_verification_mask
+from .kv_cache import (
+    UnsupportedCacheError,
+    check_cache_supported,
+    compact_cache,
+    prepare_cache_for_tree,
+    tree_verification_mask,
+)
 from .tree import DraftTree
 from .verification import AcceptanceStats, accept_tree
 
@@ -138,6 +144,11 @@ def _check_generation_config(model, draft, generation_mode, generation_config) -
             raise ValueError(f"`{name}` cannot be combined with a PosS draft (assistant_model).")
     if getattr(generation_config, "use_mtp", False):
         raise ValueError("`use_mtp` cannot be combined with a PosS draft (assistant_model).")
+    if generation_config.cache_implementation not in (None, "dynamic"):
+        raise UnsupportedCacheError(
+            f"Tree speculative decoding needs the default dynamic cache on the target; cache_implementation="
+            f"{generation_config.cache_implementation!r} (static, quantized or offloaded caches) is not supported."
+        )
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError("output_attentions / output_hidden_states are not supported with a PosS draft.")
     attention = model.config._attn_implementation
