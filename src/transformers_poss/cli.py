@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("transformers_poss.bench", "measure acceptance and speed-up of decoding methods side by side"),
     "convert": ("transformers_poss.cli_convert", "convert an official PosS / EAGLE / HASS checkpoint"),
     "vocab": ("transformers_poss.cli_vocab", "give a draft a reduced drafting vocabulary (no retraining)"),
+    "train": ("transformers_poss.training.cli", "train a PosS / EAGLE-2 / HASS draft for a target"),
 }
 
 

@@ -1,0 +1,174 @@
+"""Self-distillation data: the target answers the prompts itself, so the draft learns the target's own outputs.
+
+- [`regenerate`]: keep the system/user turns of conversations, regenerate every assistant turn with the target
+  (batched ``generate``, turn by turn, conversations of similar length together). Resumable JSONL output.
+- [`synthesize_prompts`]: without any dataset, sample user turns from the target itself: the chat template is
+  rendered up to where a user message starts and the target continues from there. Empty, truncated, degenerate and
+  duplicate prompts are dropped. Resumable JSONL output.
+
+Evaluation prompts (MT-Bench and the like) must never be fed here; ``exclude`` removes given prompts explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+__all__ = ["user_prefix", "end_of_turn_ids", "is_degenerate", "synthesize_prompts", "regenerate", "read_jsonl"]
+
+_SENTINEL = "\u2063POSS_USER_TURN\u2063"
+_END_MARKERS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>")
+
+
+def read_jsonl(path) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def _append_jsonl(path, records):
+    with open(path, "a", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def user_prefix(tokenizer, chat_template=None, system_prompt: str | None = None) -> str:
+    """Chat-template text up to where the content of the first user message starts."""
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": _SENTINEL}
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template)
+    if _SENTINEL not in text:
+        raise ValueError("The chat template does not show the user message verbatim; cannot find the user prefix.")
+    return text[: text.index(_SENTINEL)]
+
+
+def end_of_turn_ids(tokenizer, model=None) -> list[int]:
+    """Token ids that end a turn: the eos token(s) and the usual end-of-turn markers present in the vocabulary."""
+    ids = set()
+    for source in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[m] for m in _END_MARKERS if m in vocab)
+    return sorted(ids)
+
+
+def is_degenerate(text: str, min_words: int = 3, max_chars: int = 2000) -> bool:
+    """Empty, too short/long, containing template markup, or repetitive text."""
+    words = text.split()
+    if len(words) < min_words or len(text) > max_chars or "<|" in text or "|>" in text:
+        return True
+    if len(words) >= 8 and len(set(words)) / len(words) < 0.4:
+        return True
+    trigrams = [tuple(words[i : i + 3]) for i in range(len(words) - 2)]
+    return len(trigrams) >= 6 and len(set(trigrams)) / len(trigrams) < 0.6
+
+
+def _normalized(text: str) -> str:
+    return re.sub(r"\W+", " ", text.lower()).strip()
+
+
+@torch.no_grad()
+def _generate(target, tokenizer, texts, stop_ids, max_new_tokens, temperature, top_p):
+    """Batched generation from rendered texts (left padding). Returns (new token id lists, finished flags)."""
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
+    finally:
+        tokenizer.padding_side = side
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
+    out = target.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
+                          pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0],
+                          **sampling)
+    new = out[:, batch["input_ids"].shape[1] :].tolist()
+    results, finished = [], []
+    for row in new:
+        end = next((i for i, t in enumerate(row) if t in stop_ids), None)
+        results.append(row if end is None else row[:end])
+        finished.append(end is not None)
+    return results, finished
+
+
+def synthesize_prompts(target, tokenizer, num_prompts: int, output_path, batch_size: int = 16,
+                       max_new_tokens: int = 96, temperature: float = 1.0, top_p: float = 0.95, seed: int = 0,
+                       exclude=(), chat_template=None, max_rounds: int | None = None, progress: bool = True) -> list[str]:
+    """Sample ``num_prompts`` distinct user prompts from the target; appended to ``output_path`` as
+    ``{"prompt": ...}`` lines. Already written prompts count (resume). Returns all prompts in the file."""
+    prefix = user_prefix(tokenizer, chat_template)
+    stop_ids = end_of_turn_ids(tokenizer, target)
+    prompts = [r["prompt"] for r in read_jsonl(output_path)]
+    seen = {_normalized(p) for p in prompts} | {_normalized(p) for p in exclude}
+    bar = tqdm(total=num_prompts, initial=min(len(prompts), num_prompts), desc="prompts", disable=not progress)
+    rounds = 0
+    while len(prompts) < num_prompts and (max_rounds is None or rounds < max_rounds):
+        torch.manual_seed(seed + len(prompts) * 7919 + rounds)
+        rows, finished = _generate(target, tokenizer, [prefix] * batch_size, stop_ids, max_new_tokens, temperature, top_p)
+        rounds += 1
+        fresh = []
+        for row, done in zip(rows, finished):
+            text = tokenizer.decode(row, skip_special_tokens=True).strip()
+            key = _normalized(text)
+            if done and not is_degenerate(text) and key not in seen:
+                seen.add(key)
+                fresh.append(text)
+        fresh = fresh[: num_prompts - len(prompts)]
+        _append_jsonl(output_path, [{"prompt": p} for p in fresh])
+        prompts += fresh
+        bar.update(len(fresh))
+    bar.close()
+    return prompts
+
+
+def regenerate(target, tokenizer, conversations, output_path, batch_size: int = 16, max_new_tokens: int = 512,
+               temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chat_template=None,
+               progress: bool = True) -> dict:
+    """Regenerate the assistant turns of ``conversations`` (lists of messages, or bare prompt strings).
+
+    Each finished conversation is appended to ``output_path`` as ``{"id": index, "messages": [...]}``; ids already
+    in the file are skipped (resume). Returns ``{"conversations", "generated_tokens", "seconds", "tokens_per_s"}``.
+    """
+    conversations = [[{"role": "user", "content": c}] if isinstance(c, str) else c for c in conversations]
+    done = {r["id"] for r in read_jsonl(output_path)}
+    todo = [i for i in range(len(conversations)) if i not in done]
+    stop_ids = end_of_turn_ids(tokenizer, target)
+
+    def prompt_length(i):
+        first_user = next((m["content"] for m in conversations[i] if m["role"] == "user"), "")
+        return len(first_user)
+
+    todo.sort(key=prompt_length)
+    generated, start = 0, time.perf_counter()
+    bar = tqdm(total=len(conversations), initial=len(done), desc="self-distillation", unit="conv", disable=not progress)
+    for b in range(0, len(todo), batch_size):
+        chunk = todo[b : b + batch_size]
+        torch.manual_seed(seed + b)
+        histories = {i: [m for m in conversations[i] if m["role"] == "system"] for i in chunk}
+        users = {i: [m for m in conversations[i] if m["role"] == "user"] for i in chunk}
+        for turn in range(max(len(u) for u in users.values())):
+            active = [i for i in chunk if turn < len(users[i])]
+            for i in active:
+                histories[i].append(users[i][turn])
+            texts = [tokenizer.apply_chat_template(histories[i], tokenize=False, add_generation_prompt=True,
+                                                   chat_template=chat_template) for i in active]
+            rows, _ = _generate(target, tokenizer, texts, stop_ids, max_new_tokens, temperature, top_p)
+            for i, row in zip(active, rows):
+                generated += len(row) + 1
+                histories[i].append({"role": "assistant", "content": tokenizer.decode(row, skip_special_tokens=True).strip()})
+        _append_jsonl(output_path, [{"id": i, "messages": histories[i]} for i in chunk])
+        bar.update(len(chunk))
+        seconds = time.perf_counter() - start
+        bar.set_postfix(tok_s=f"{generated / max(seconds, 1e-9):.1f}")
+    bar.close()
+    seconds = time.perf_counter() - start
+    return {"conversations": len(todo), "generated_tokens": generated, "seconds": seconds,
+            "tokens_per_s": generated / seconds if seconds else 0.0}

