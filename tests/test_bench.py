@@ -242,6 +242,19 @@ def test_cli_bench_exits_non_zero_on_mismatch(tiny_target_dir, tmp_path, monkeyp
     assert "broken: 1 of 2 outputs differ" in capsys.readouterr().err
 
 
+def test_cli_bench_sampling_does_not_demand_equality(tiny_target_dir, tmp_path, monkeypatch):
+    original = bench_cli.build_methods
+    monkeypatch.setattr(bench_cli, "build_methods",
+                        lambda args, target: original(args, target) + [broken(target, prompt_index=0, position=0)])
+    q = _questions(tmp_path / "q.jsonl", 2, "x")
+    out = tmp_path / "r.json"
+    status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "4",
+                       "--temperature", "0.8", "--top-p", "0.9", "--no-plots", "--no-progress", "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert status == 0 and report["settings"]["greedy"] is False
+    assert report["methods"]["broken"]["identical_to_baseline"] < 2
+
+
 def test_cli_help_lists_the_contract_flags(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["bench", "--help"])
