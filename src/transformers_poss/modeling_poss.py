@@ -20,6 +20,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from .configuration_poss import PosSDraftConfig
+from .quantize import linear_bias, linear_weight
 
 TREE_GENERATION_KEYS = ("tree_depth", "tree_top_k", "tree_total_tokens")
 
@@ -219,9 +220,10 @@ class PosSDraftModel(PosSPreTrainedModel):
         embed = target.get_input_embeddings()
         if lm_head is None or embed is None:
             raise ValueError("The target has no input embeddings or no lm_head to borrow; use a causal LM.")
-        if lm_head.weight.shape[-1] != self.config.hidden_size:
+        in_features = linear_weight(lm_head).shape[-1]
+        if in_features != self.config.hidden_size:
             raise ValueError(
-                f"The target's lm_head takes {lm_head.weight.shape[-1]} features, the draft makes {self.config.hidden_size}."
+                f"The target's lm_head takes {in_features} features, the draft makes {self.config.hidden_size}."
             )
         object.__setattr__(self, "_target_embed", embed)
         object.__setattr__(self, "_target_lm_head", lm_head)
@@ -249,7 +251,7 @@ class PosSDraftModel(PosSPreTrainedModel):
     def _head_weight(self) -> torch.Tensor:
         """lm_head weight used for drafting: the draft-vocabulary rows of the target's lm_head (gathered once)."""
         self._require_target()
-        weight = self._target_lm_head.weight
+        weight = linear_weight(self._target_lm_head)
         if self.draft_to_target is None:
             return weight
         cached = self._draft_head_weight
@@ -263,8 +265,8 @@ class PosSDraftModel(PosSPreTrainedModel):
         head = self._target_lm_head
         if self.draft_to_target is None:
             self._require_target()
-            return head(features.to(head.weight.dtype))
-        bias = getattr(head, "bias", None)
+            return head(features.to(self._compute_dtype(head)))
+        bias = linear_bias(head)
         if bias is not None:
             bias = bias[self.draft_to_target.to(bias.device)]
         weight = self._head_weight()
@@ -279,8 +281,15 @@ class PosSDraftModel(PosSPreTrainedModel):
     # ------------------------------------------------------------------ building blocks
     def fuse(self, input_ids: torch.LongTensor, target_hidden_states: torch.Tensor) -> torch.Tensor:
         """`fc(cat(embed(x_{t+1}), f_t))`: `[B, T]` tokens and `[B, T, H]` features -> `[B, T, H]`."""
-        embeds = self.embed(input_ids).to(self.fc.weight.dtype)
-        return self.fc(torch.cat([embeds, target_hidden_states.to(self.fc.weight.dtype)], dim=-1))
+        dtype = self._compute_dtype(self.fc)
+        embeds = self.embed(input_ids).to(dtype)
+        return self.fc(torch.cat([embeds, target_hidden_states.to(dtype)], dim=-1))
+
+    @staticmethod
+    def _compute_dtype(linear: nn.Module) -> torch.dtype:
+        """Input dtype of a linear layer (float32 for a dynamically quantized one)."""
+        weight = linear.weight
+        return torch.float32 if callable(weight) else weight.dtype
 
     def position_embeddings(self, hidden_states: torch.Tensor, position_ids: torch.LongTensor):
         """RoPE (cos, sin) for `[B, T]` position ids, each `[B, T, head_dim]`."""

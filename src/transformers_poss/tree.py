@@ -55,6 +55,25 @@ class DraftTree:
             out.add(tuple(tokens[j] for j in ancestors))
         return out
 
+    def select(self, keep: torch.Tensor) -> "DraftTree":
+        """The sub-tree of the nodes in ``keep`` (bool mask `[n]` or ascending indices including 0, closed under
+        parents). Node order is preserved, so parents still come before children."""
+        if keep.dtype == torch.bool:
+            keep = torch.nonzero(keep).flatten()
+        new_index = torch.full((self.num_nodes,), -1, dtype=torch.long, device=self.tokens.device)
+        new_index[keep] = torch.arange(keep.shape[0], device=self.tokens.device)
+        parents = self.parents[keep]
+        parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
+        if bool((parents[1:] < 0).any()):
+            raise ValueError("the selected nodes are not closed under parents")
+        return DraftTree(
+            tokens=self.tokens[keep],
+            parents=parents,
+            depths=self.depths[keep],
+            tree_mask=self.tree_mask[keep][:, keep],
+            scores=None if self.scores is None else self.scores[keep],
+        )
+
     def to(self, device) -> "DraftTree":
         return DraftTree(
             tokens=self.tokens.to(device),
