@@ -1,0 +1,300 @@
+"""Hardware-aware speculation budget.
+
+The best tree is a property of the hardware: on a GPU a 60-node verification costs about as much as one token, on a
+CPU the cost grows with the number of nodes. This module
+
+1. measures the target's forward time ``t(n)`` for ``n`` tree nodes and the draft's step times once per
+   model / device / dtype / threads, and caches the profile on disk ([`CostProfile`], [`load_or_measure_profile`]);
+2. picks, every round, how many of the drafted nodes to verify ([`TreeBudget`]): the draft's cumulative
+   probabilities, calibrated by the acceptance actually observed, give the expected accepted tokens of the best
+   ``n - 1`` nodes, and ``n`` maximises expected tokens per second; when no tree is predicted to beat plain decoding
+   the call falls back to plain decoding;
+3. replays recorded rounds under other shapes ([`simulate_shape`]) so ``poss tune`` can choose depth and size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+# ---------------------------------------------------------------------------------------------------- cost profile
+@dataclass
+class CostProfile:
+    """Measured costs (seconds) on one machine.
+
+    Attributes:
+        key: identifies model, device, dtype, quantization and threads.
+        verify_seconds: target forward time for ``n`` new tokens (tree nodes), keyed by ``n`` (as str in JSON).
+        draft_context_seconds: a draft context step over a few new pairs, including its top-k.
+        draft_step_seconds: one further draft step (frontier of ``top_k`` nodes), including its top-k.
+    """
+
+    key: str
+    verify_seconds: dict[int, float]
+    draft_context_seconds: float = 0.0
+    draft_step_seconds: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+    def verify(self, n: int) -> float:
+        """t(n), linearly interpolated between measured sizes (extrapolated from the last two beyond them)."""
+        sizes = sorted(self.verify_seconds)
+        if n in self.verify_seconds:
+            return self.verify_seconds[n]
+        if n <= sizes[0]:
+            return self.verify_seconds[sizes[0]]
+        lo = max((s for s in sizes if s < n), default=sizes[-2])
+        hi = min((s for s in sizes if s > n), default=sizes[-1])
+        if lo == hi:
+            lo = sizes[-2]
+        t_lo, t_hi = self.verify_seconds[lo], self.verify_seconds[hi]
+        return t_lo + (t_hi - t_lo) * (n - lo) / (hi - lo)
+
+    def draft(self, depth: int) -> float:
+        """Drafting time of a tree of ``depth``."""
+        return self.draft_context_seconds + max(depth - 1, 0) * self.draft_step_seconds
+
+    def curve(self) -> dict[int, float]:
+        """t(n) / t(1) for every measured n."""
+        base = self.verify(1)
+        return {n: self.verify_seconds[n] / base for n in sorted(self.verify_seconds)}
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["verify_seconds"] = {str(k): v for k, v in self.verify_seconds.items()}
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostProfile":
+        data = json.loads(text)
+        data["verify_seconds"] = {int(k): float(v) for k, v in data["verify_seconds"].items()}
+        return cls(**data)
+
+
+def profile_key(target, draft=None, top_k: int | None = None) -> str:
+    """A key for the cache: model identity, device, dtype, quantization, threads, torch version."""
+    config = target.config.get_text_config()
+    head = target.get_output_embeddings()
+    parts = [
+        getattr(target.config, "_name_or_path", "") or "",
+        config.model_type,
+        str(config.hidden_size),
+        str(getattr(config, "num_hidden_layers", "")),
+        str(config.vocab_size),
+        str(target.dtype),
+        str(next(target.parameters()).device),
+        str(getattr(target, "_poss_quantized", None)),
+        str(torch.get_num_threads()),
+        torch.__version__,
+        type(head).__name__,
+    ]
+    if draft is not None:
+        parts += [str(draft.config.num_specialists), str(draft.config.draft_vocab_size), str(top_k),
+                  str(getattr(draft, "_poss_quantized", None))]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
+
+
+def _timed(fn, repeats: int) -> float:
+    values = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        values.append(time.perf_counter() - start)
+    return statistics.median(values)
+
+
+@torch.no_grad()
+def measure_verify_seconds(target, sizes=DEFAULT_SIZES, context_length: int = 128, repeats: int = 5) -> dict[int, float]:
+    """Median time of one target forward over ``n`` new tokens (logits of all of them) on a ``context_length`` cache.
+
+    Sizes are interleaved within each repeat so that machine drift hits all of them alike.
+    """
+    from transformers import DynamicCache
+
+    device = target.get_input_embeddings().weight.device
+    vocab = target.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (1, context_length), generator=generator).to(device)
+    cache = DynamicCache(config=target.config.get_text_config(decoder=True))
+    target(input_ids=prompt, cache=cache, use_cache=True)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats + 1):  # first pass warms up
+        for n in sizes:
+            ids = torch.randint(0, vocab, (1, n), generator=generator).to(device)
+            positions = torch.arange(context_length, context_length + n, device=device)[None]
+            start = time.perf_counter()
+            target(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=0)
+            times[n].append(time.perf_counter() - start)
+            cache.crop(-n)
+    return {n: statistics.median(v[1:]) for n, v in times.items()}
+
+
+@torch.no_grad()
+def measure_draft_seconds(draft, top_k: int, context_length: int = 128, repeats: int = 5) -> tuple[float, float]:
+    """(context step, further step) drafting times: trees of depth 1 and 3 after a 2-pair context update."""
+    from .proposer import PosSProposer
+
+    device = draft.fc.weight.device if not callable(draft.fc.weight) else torch.device("cpu")
+    hidden = draft.config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+
+    def run(depth):
+        proposer = PosSProposer(draft, depth=depth, top_k=top_k, total_tokens=2)
+        ids = torch.randint(0, draft.config.vocab_size, (1, context_length), generator=generator).to(device)
+        proposer.propose(ids, torch.randn(1, context_length, hidden, generator=generator).to(device))
+        new_ids, new_feats = ids[:, :2], torch.randn(1, 2, hidden, generator=generator).to(device)
+        return _timed(lambda: proposer.propose(new_ids, new_feats), repeats)
+
+    run(1)  # warm-up
+    one, three = run(1), run(3)
+    return one, max((three - one) / 2, 0.0)
+
+
+def cache_dir() -> str:
+    from .embedded import cache_root
+
+    path = os.path.join(str(cache_root()), "costs")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def load_or_measure_profile(target, draft=None, top_k: int = 10, sizes=DEFAULT_SIZES, refresh: bool = False,
+                            verbose: bool = False) -> CostProfile:
+    """The cached cost profile of ``target`` (+ ``draft``) on this machine, measuring it on first use (seconds)."""
+    key = profile_key(target, draft, top_k)
+    path = os.path.join(cache_dir(), f"{key}.json")
+    if not refresh and os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                return CostProfile.from_json(fh.read())
+        except (OSError, ValueError, TypeError, KeyError):
+            pass  # unreadable: measure again
+    if verbose:
+        print("measuring the verification cost curve t(n) on this machine (once; cached) ...")
+    verify = measure_verify_seconds(target, sizes)
+    context, step = measure_draft_seconds(draft, top_k) if draft is not None else (0.0, 0.0)
+    profile = CostProfile(key=key, verify_seconds=verify, draft_context_seconds=context, draft_step_seconds=step,
+                          meta={"threads": torch.get_num_threads(), "top_k": top_k})
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(profile.to_json())
+    os.replace(tmp, path)
+    return profile
+
+
+# ---------------------------------------------------------------------------------------------------- per round
+def ranked_nodes(scores: torch.Tensor) -> torch.LongTensor:
+    """Non-root node indices by descending cumulative score; ties keep node order (parents before children)."""
+    return torch.sort(scores[1:], descending=True, stable=True).indices + 1
+
+
+def expected_accepted(probabilities_sorted: torch.Tensor, calibration: float) -> torch.Tensor:
+    """Expected accepted draft tokens when the best ``m`` nodes are verified, for every ``m``: `[M + 1]` (m = 0..M)."""
+    cumulative = torch.cumsum(probabilities_sorted * calibration, dim=0)
+    return torch.cat([cumulative.new_zeros(1), cumulative])
+
+
+class TreeBudget:
+    """Chooses, each round, how many drafted nodes to verify; decides when speculation does not pay.
+
+    Args:
+        profile: the machine's [`CostProfile`].
+        depth: drafted depth (for the drafting time).
+        max_nodes: upper bound on verified nodes (root included).
+        warmup_rounds: rounds observed before a fallback to plain decoding may be decided.
+        min_speedup: predicted speed-up under which speculation stops for the rest of the call.
+    """
+
+    def __init__(self, profile: CostProfile, depth: int, max_nodes: int, warmup_rounds: int = 4,
+                 min_speedup: float = 1.0, prior_weight: float = 2.0):
+        self.profile = profile
+        self.depth = depth
+        self.max_nodes = max_nodes
+        self.warmup_rounds = warmup_rounds
+        self.min_speedup = min_speedup
+        self.observed = prior_weight  # calibration prior: the draft's probabilities are taken at face value
+        self.predicted = prior_weight
+        self.rounds = 0
+        self.predicted_tokens = 0.0
+        self.predicted_seconds = 0.0
+        sizes = torch.arange(1, max_nodes + 1)
+        self._verify = torch.tensor([profile.verify(int(n)) for n in sizes], dtype=torch.float64)
+        self.plain_rate = 1.0 / profile.verify(1)
+
+    @property
+    def calibration(self) -> float:
+        return self.observed / self.predicted
+
+    def choose(self, scores: torch.Tensor) -> tuple[torch.LongTensor, float]:
+        """Nodes to keep (root first, then the best nodes in tree order) and the predicted tokens per second."""
+        order = ranked_nodes(scores.double().cpu())
+        probs = scores.double().cpu()[order].exp()
+        count = min(self.max_nodes - 1, order.shape[0])
+        gain = expected_accepted(probs[:count], self.calibration) + 1.0  # [count + 1]
+        seconds = self.profile.draft(self.depth) + self._verify[: count + 1]
+        rate = gain / seconds
+        best = int(torch.argmax(rate))
+        keep = torch.sort(order[:best]).values
+        self._last = float(gain[best] - 1.0), float(probs[:best].sum())
+        self.predicted_tokens += float(gain[best])
+        self.predicted_seconds += float(seconds[best])
+        return torch.cat([torch.zeros(1, dtype=torch.long), keep]), float(rate[best])
+
+    def observe(self, accepted_draft_tokens: int) -> None:
+        """Update the calibration with the round just verified."""
+        _, raw = self._last
+        self.observed += accepted_draft_tokens
+        self.predicted += raw
+        self.rounds += 1
+
+    def predicted_speedup(self) -> float:
+        if self.predicted_seconds == 0:
+            return float("inf")
+        return (self.predicted_tokens / self.predicted_seconds) / self.plain_rate
+
+    def should_fall_back(self) -> bool:
+        """After the warm-up rounds: is speculation predicted to be slower than plain decoding?"""
+        return self.rounds >= self.warmup_rounds and self.predicted_speedup() < self.min_speedup
+
+
+# ---------------------------------------------------------------------------------------------------- replay
+@dataclass
+class RoundRecord:
+    """One verified round of a recording run: the drafted tree and the accepted path (node indices, root first)."""
+
+    depths: torch.LongTensor
+    scores: torch.Tensor
+    path: torch.LongTensor
+
+
+def truncated_accepted(record: RoundRecord, depth: int, total_tokens: int) -> int:
+    """Accepted draft tokens had the tree been cut to ``depth`` and the best ``total_tokens - 1`` nodes (greedy)."""
+    eligible = torch.nonzero(record.depths[1:] <= depth).flatten() + 1
+    order = eligible[torch.sort(record.scores[eligible], descending=True, stable=True).indices]
+    kept = torch.zeros(record.depths.shape[0], dtype=torch.bool)
+    kept[order[: total_tokens - 1]] = True
+    accepted = 0
+    for node in record.path[1:].tolist():
+        if not kept[node]:
+            break
+        accepted += 1
+    return accepted
+
+
+def simulate_shape(records: list[RoundRecord], profile: CostProfile, depth: int, total_tokens: int) -> dict:
+    """Predicted acceptance length and speed-up over plain decoding of a shape, replaying ``records``."""
+    if not records:
+        raise ValueError("no recorded rounds to replay")
+    tokens = sum(truncated_accepted(r, depth, total_tokens) + 1 for r in records)
+    seconds = len(records) * (profile.draft(depth) + profile.verify(total_tokens))
+    tau = tokens / len(records)
+    return {"depth": depth, "total_tokens": total_tokens, "mean_acceptance_length": tau,
+            "predicted_speedup": (tokens / seconds) * profile.verify(1)}

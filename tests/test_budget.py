@@ -1,0 +1,74 @@
+"""Speculation budget: cost profiles, per-round node choice, fallback, replay of recorded rounds."""
+
+import torch
+
+from helpers import tiny_draft, tiny_llama
+from transformers_poss.budget import (
+    CostProfile,
+    RoundRecord,
+    TreeBudget,
+    measure_draft_seconds,
+    measure_verify_seconds,
+    simulate_shape,
+    truncated_accepted,
+)
+
+
+def _profile(curve, draft=0.0):
+    return CostProfile(key="k", verify_seconds=curve, draft_context_seconds=draft, draft_step_seconds=draft)
+
+
+def test_profile_interpolates_and_round_trips():
+    p = _profile({1: 1.0, 4: 2.5, 8: 4.0})
+    assert p.verify(2) == 1.5 and p.verify(8) == 4.0 and p.verify(12) == 5.5
+    assert p.curve() == {1: 1.0, 4: 2.5, 8: 4.0}
+    assert CostProfile.from_json(p.to_json()) == p
+
+
+def _scores():
+    # root, two depth-1 nodes (p=.9, .05), children of node 1 (p=.8*.9, .1*.9), child of node 3 (p=.7*.72)
+    probs = torch.tensor([1.0, 0.9, 0.05, 0.72, 0.09, 0.504])
+    return probs.log()
+
+
+def test_flat_cost_keeps_every_node_steep_cost_keeps_few():
+    scores = _scores()
+    flat = TreeBudget(_profile({1: 1.0, 64: 1.0}), depth=3, max_nodes=6)
+    keep, _ = flat.choose(scores)
+    assert keep.tolist() == [0, 1, 2, 3, 4, 5]
+    steep = TreeBudget(_profile({1: 1.0, 2: 1.3, 64: 64.0}), depth=3, max_nodes=6)
+    keep, rate = steep.choose(scores)
+    assert keep.tolist()[0] == 0 and len(keep) < 6
+    # kept nodes are closed under parents: node 5 (child of 3, child of 1) only with 3 and 1
+    assert set(keep.tolist()) <= {0, 1, 3, 5} and rate > 1.0
+
+
+def test_calibration_and_fallback():
+    budget = TreeBudget(_profile({1: 1.0, 2: 1.9, 64: 64.0}, draft=0.5), depth=3, max_nodes=6, warmup_rounds=3)
+    for _ in range(3):
+        budget.choose(_scores())
+        budget.observe(0)  # the draft is always wrong
+    assert budget.calibration < 0.7
+    assert budget.should_fall_back()
+    good = TreeBudget(_profile({1: 1.0, 8: 1.05}, draft=0.01), depth=3, max_nodes=6, warmup_rounds=3)
+    for _ in range(3):
+        good.choose(_scores())
+        good.observe(3)
+    assert not good.should_fall_back() and good.predicted_speedup() > 1.5
+
+
+def test_replay_truncation():
+    record = RoundRecord(depths=torch.tensor([0, 1, 1, 2, 2, 3]), scores=_scores(), path=torch.tensor([0, 1, 3, 5]))
+    assert truncated_accepted(record, depth=3, total_tokens=6) == 3
+    assert truncated_accepted(record, depth=2, total_tokens=6) == 2
+    assert truncated_accepted(record, depth=3, total_tokens=2) == 1  # only the best node (1) survives
+    result = simulate_shape([record, record], _profile({1: 1.0, 6: 2.0}), depth=3, total_tokens=6)
+    assert result["mean_acceptance_length"] == 4.0 and abs(result["predicted_speedup"] - 2.0) < 1e-9
+
+
+def test_measurements_run_on_a_tiny_model():
+    target = tiny_llama()
+    times = measure_verify_seconds(target, sizes=(1, 4), context_length=16, repeats=2)
+    assert set(times) == {1, 4} and all(t > 0 for t in times.values())
+    context, step = measure_draft_seconds(tiny_draft(target), top_k=2, context_length=16, repeats=2)
+    assert context > 0 and step >= 0
