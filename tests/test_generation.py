@@ -119,6 +119,15 @@ def test_greedy_identical_with_oracle_trees(monkeypatch, make):
         assert max(made[0].feature_errors) < 1e-4  # the draft got the target's post-norm features of each pair
 
 
+@pytest.mark.parametrize("make", [tiny_llama_target, tiny_gemma3_target])
+def test_greedy_identical_with_eager_attention(monkeypatch, make):
+    target = make(attn="eager")
+    prompt = prompts(1, length=9)[0]
+    use_proposer(monkeypatch, lambda gen: OracleProposer(target, prompt, depth=5, corrupt=0.2))
+    out = assert_same(target, make_draft(target), prompt, max_new_tokens=24, do_sample=False)
+    assert max(out.acceptance.accepted_lengths) >= 3
+
+
 def test_first_draft_call_gets_whole_prompt_then_accepted_tokens(monkeypatch):
     target = tiny_llama_target()
     made = use_proposer(monkeypatch, lambda gen: RandomProposer(VOCAB, num_nodes=6, max_depth=2))

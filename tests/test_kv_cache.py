@@ -6,6 +6,7 @@ from transformers_poss.kv_cache import (
     UnsupportedCacheError,
     check_cache_supported,
     compact_cache,
+    finish_cache_after_tree,
     prepare_cache_for_tree,
     tree_verification_mask,
 )
@@ -101,6 +102,11 @@ def test_sliding_window_layers_trimmed_back_to_window():
     sliding, full = cache.layers[0], cache.layers[1]
     assert sliding.keys.shape[-2] == 3  # window - 1
     assert full.keys.shape[-2] == sliding.get_seq_length() == cache.get_seq_length()
+    finish_cache_after_tree(cache)  # back to the stock behaviour: plain decoding keeps trimming to the window
+    assert not sliding.record_past
+    with torch.no_grad():
+        model(torch.tensor([[7, 8]]), cache=cache, use_cache=True)
+    assert sliding.keys.shape[-2] == 3
 
 
 def test_mask_mapping_per_layer_type():

@@ -31,6 +31,7 @@ from .kv_cache import (
     UnsupportedCacheError,
     check_cache_supported,
     compact_cache,
+    finish_cache_after_tree,
     prepare_cache_for_tree,
     tree_verification_mask,
 )
@@ -342,6 +343,7 @@ def _tree_assisted_decoding(
         new_tokens = accepted.tokens[None]
         new_features = features[accepted.path.to(features.device)][None]
 
+    finish_cache_after_tree(cache)
     candidate_generator.stats = stats
     if streamer is not None:
         streamer.end()

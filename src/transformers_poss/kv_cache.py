@@ -58,6 +58,13 @@ def prepare_cache_for_tree(cache: DynamicCache) -> None:
             layer.activate_past_recording()
 
 
+def finish_cache_after_tree(cache: DynamicCache) -> None:
+    """Switch past recording off again (the crops already trimmed every sliding-window layer to its window)."""
+    for layer in cache.layers:
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            layer.record_past = False
+
+
 def compact_cache(cache: DynamicCache, num_nodes: int, keep: torch.LongTensor) -> None:
     """Keep only the tree nodes ``keep`` among the last ``num_nodes`` cached rows, in place.
 
