@@ -231,6 +231,37 @@ def test_cli_bench_end_to_end(tiny_target_dir, tmp_path, capsys):
     assert "| baseline |" in capsys.readouterr().out
 
 
+def test_cli_bench_with_a_draft_folder(tiny_target_dir, model, tmp_path):
+    from helpers import tiny_draft
+
+    tiny_draft(model).save_pretrained(tmp_path / "draft")
+    q = _questions(tmp_path / "q.jsonl", 2, "x")
+    out = tmp_path / "r.json"
+    status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "6",
+                       "--draft", f"mine={tmp_path / 'draft'}", "--tree-depth", "2", "--tree-total-tokens", "4",
+                       "--no-prompt-lookup", "--no-plots", "--no-progress", "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert status == 0 and list(report["methods"]) == ["baseline", "mine"]
+    assert report["methods"]["mine"]["identical_to_baseline"] == 2
+    assert report["methods"]["mine"]["info"]["tree"]["depth"] == 2
+    assert report["settings"]["drafts"] == {"mine": str(tmp_path / "draft")}
+
+
+def test_cli_bench_int8_target(tiny_target_dir, tmp_path, monkeypatch):
+    from transformers_poss import quantize
+
+    quantized = []
+    original = quantize.apply_quantization
+    monkeypatch.setattr(quantize, "apply_quantization", lambda m, mode: quantized.append(mode) or original(m, mode))
+    q = _questions(tmp_path / "q.jsonl", 2, "x")
+    out = tmp_path / "r.json"
+    status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "6",
+                       "--quantize", "int8", "--no-plots", "--no-progress", "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert status == 0 and report["settings"]["quantize"] == "int8" and quantized == ["int8"]
+    assert report["methods"]["prompt_lookup"]["identical_to_baseline"] == 2
+
+
 def test_cli_bench_exits_non_zero_on_mismatch(tiny_target_dir, tmp_path, monkeypatch, capsys):
     original = bench_cli.build_methods
     monkeypatch.setattr(bench_cli, "build_methods",

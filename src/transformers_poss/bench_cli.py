@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     other.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     other.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     other.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+    other.add_argument("--quantize", choices=["none", "int8"], default="none",
+                       help="int8: dynamic int8 weights for the target (and assistants), CPU only; every method, "
+                            "the baseline included, then runs on the same quantized target")
 
 
 def _labelled(specs: list[str]) -> list[tuple[str, str]]:
@@ -98,6 +101,15 @@ def load_draft(source: str, target):
     return draft.to(device=target.device, dtype=target.dtype).eval()
 
 
+def quantized(model, mode: str | None):
+    """`model` with the requested weight quantization applied (``"none"`` leaves it as it is)."""
+    if mode in (None, "none"):
+        return model
+    from .quantize import apply_quantization
+
+    return apply_quantization(model, mode)
+
+
 def build_methods(args, target) -> list:
     """baseline, prompt lookup, chain assistants, then each draft (at each sweep shape with --sweep)."""
     from .embedded import load_target
@@ -108,6 +120,7 @@ def build_methods(args, target) -> list:
     for label, source in _labelled(args.assistant):
         assistant, _ = load_target(source, dtype=target.dtype, attn_implementation=args.attn_implementation,
                                    device=target.device)
+        assistant = quantized(assistant, args.quantize)
         methods.append(assistant_method(f"assistant:{label}", target, assistant, source))
     for label, source in _labelled(args.draft):
         draft = load_draft(source, target)
@@ -128,7 +141,8 @@ def settings_record(args, chat: bool, target) -> dict:
     """The report's ``settings`` section."""
     return {
         "target": args.target, "target_class": type(target).__name__, "dtype": args.dtype,
-        "attn_implementation": args.attn_implementation, "drafts": dict(_labelled(args.draft)),
+        "attn_implementation": args.attn_implementation, "quantize": args.quantize,
+        "drafts": dict(_labelled(args.draft)),
         "assistants": dict(_labelled(args.assistant)), "questions": [str(p) for p in args.questions],
         "num_prompts": args.num_prompts, "selection": args.selection, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "greedy": args.temperature <= 0, "top_p": args.top_p, "top_k": args.top_k,
@@ -152,6 +166,7 @@ def run(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target, tokenizer = load_target(args.target, dtype=DTYPES[args.dtype],
                                     attn_implementation=args.attn_implementation, device=device)
+    target = quantized(target, args.quantize)  # before drafts attach to its embeddings and head
     chat = {"on": True, "off": False}.get(args.chat_template, None)
     if chat is None:
         chat = uses_chat_template(args.target, tokenizer)

@@ -26,6 +26,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--quantize", choices=["none", "int8"], default="none",
+                        help="int8: dynamic int8 weights for the target (CPU only)")
     parser.add_argument("--quiet", action="store_true", help="print only the generated text")
 
 
@@ -34,7 +36,7 @@ def run(args) -> int:
     import transformers_poss  # noqa: F401  (makes generate() tree-aware)
 
     from .bench import encode_prompt
-    from .bench_cli import DTYPES, load_draft
+    from .bench_cli import DTYPES, load_draft, quantized
     from .bench_methods import GenerationSettings, tree_shape
     from .embedded import load_target, uses_chat_template
 
@@ -43,6 +45,7 @@ def run(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     text = args.prompt if args.prompt is not None else sys.stdin.read()
     target, tokenizer = load_target(args.target, dtype=DTYPES[args.dtype], device=device)
+    target = quantized(target, args.quantize)
     chat = {"on": True, "off": False}.get(args.chat_template)
     if chat is None:
         chat = uses_chat_template(args.target, tokenizer)
