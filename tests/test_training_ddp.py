@@ -1,0 +1,38 @@
+"""Two processes (DDP over gloo on CPU) train the same draft, including with a specialist that is never run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from helpers import tiny_draft, tiny_llama
+
+WORKER = os.path.join(os.path.dirname(__file__), "training_ddp_worker.py")
+
+
+@pytest.mark.parametrize("unrolled_steps", [2, 1])
+def test_two_process_gloo_training(tmp_path, unrolled_steps):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(__file__)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               WORKER, str(tmp_path), str(unrolled_steps)]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        _, stderr = process.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the launcher and its workers
+        process.communicate()
+        raise
+    assert process.returncode == 0, stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["world_size"] == 2
+    assert ranks[0]["fc"] == pytest.approx(ranks[1]["fc"], rel=0, abs=1e-9)  # replicas stay in sync
+    initial = tiny_draft(tiny_llama(), num_specialists=2, positions_per_specialist=1)
+    assert ranks[0]["fc"] != pytest.approx(initial.fc.weight.double().sum().item(), abs=1e-6)
+    unused = unrolled_steps == 1  # specialist 1 never runs: DDP must be told to look for unused parameters
+    assert ranks[0]["find_unused"] is unused
+    untouched = initial.layers[1].mlp.up_proj.weight.double().sum().item()
+    assert (ranks[0]["layer1"] == pytest.approx(untouched, abs=1e-9)) is unused
