@@ -27,6 +27,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
+from .quantize import linear_weight
 from .kv_cache import (
     UnsupportedCacheError,
     check_cache_supported,
@@ -35,6 +36,7 @@ from .kv_cache import (
     prepare_cache_for_tree,
     tree_verification_mask,
 )
+from .modeling_poss import PosSDraftModel
 from .tree import DraftTree
 from .verification import AcceptanceStats, accept_tree
 
@@ -56,10 +58,6 @@ class PosSGenerateOutput(GenerateDecoderOnlyOutput):
 
 def is_tree_draft(model) -> bool:
     """Whether ``model`` is a PosS draft, i.e. ``generate`` should run tree speculation with it."""
-    try:
-        from .modeling_poss import PosSDraftModel
-    except ImportError:
-        return False
     return isinstance(model, PosSDraftModel)
 
 
@@ -119,7 +117,7 @@ class PosSCandidateGenerator(CandidateGenerator):
 
 
 def _lm_head_device(target) -> torch.device:
-    return target.get_output_embeddings().weight.device
+    return linear_weight(target.get_output_embeddings()).device
 
 
 def _draft_device(draft) -> torch.device:
@@ -344,7 +342,6 @@ def _tree_assisted_decoding(
         new_features = features[accepted.path.to(features.device)][None]
 
     finish_cache_after_tree(cache)
-    candidate_generator.stats = stats
     if streamer is not None:
         streamer.end()
     if not return_dict:
