@@ -14,6 +14,7 @@ import sys
 
 # name -> (module implementing it, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("transformers_poss.cli_demo", "stream answers with the shipped draft; plain vs speculative speed"),
     "generate": ("transformers_poss.cli_generate", "generate text with a target, optionally with a PosS draft"),
     "bench": ("transformers_poss.bench", "measure acceptance and speed-up of decoding methods side by side"),
     "convert": ("transformers_poss.cli_convert", "convert an official PosS / EAGLE / HASS checkpoint"),

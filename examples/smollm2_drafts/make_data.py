@@ -1,0 +1,104 @@
+"""Self-distilled training data for drafts of the embedded SmolLM2-135M-Instruct target (resumable).
+
+1. The target writes user prompts itself (sampled from its chat template's user prefix; deduplicated, degenerate
+   ones dropped, evaluation prompts excluded).
+2. The target answers them (greedy, batched), so drafts learn the target's own outputs.
+
+Everything is appended to JSONL files and stored compressed in ``data/smollm2-135m-instruct/`` so the work can span
+several sittings: run the script again and it continues where it stopped. ``--minutes`` bounds one sitting.
+
+    python examples/smollm2_drafts/make_data.py --prompts 6000 --minutes 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from transformers_poss.embedded import load_target
+from transformers_poss.training.distill import read_jsonl, regenerate, synthesize_prompts
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "data" / "smollm2-135m-instruct"
+EVAL_FILES = [ROOT.parent / "shared" / "data" / "mt_bench.jsonl"]
+
+
+def _unpack(name: str) -> Path:
+    """Work on a plain JSONL copy of the stored ``NAME.jsonl.gz`` (created if missing)."""
+    plain, packed = DATA / name, DATA / f"{name}.gz"
+    if packed.exists() and (not plain.exists() or plain.stat().st_mtime < packed.stat().st_mtime):
+        with gzip.open(packed, "rb") as src, open(plain, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    plain.touch()
+    return plain
+
+
+def _pack(plain: Path) -> None:
+    with open(plain, "rb") as src, gzip.open(f"{plain}.gz", "wb", compresslevel=9) as dst:
+        shutil.copyfileobj(src, dst)
+
+
+def evaluation_prompts() -> list[str]:
+    prompts = []
+    for path in EVAL_FILES:
+        if path.exists():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    prompts.extend(json.loads(line).get("turns", []))
+    return prompts
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=6000, help="distinct prompts to synthesise in total")
+    parser.add_argument("--max-new-tokens", type=int, default=384, help="answer length cap")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--chunk", type=int, default=64, help="answers generated between checkpoints")
+    parser.add_argument("--minutes", type=float, default=60.0, help="stop after about this long")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    deadline = time.time() + 60 * args.minutes
+    DATA.mkdir(parents=True, exist_ok=True)
+    target, tokenizer = load_target("smollm2-135m-instruct")
+    exclude = evaluation_prompts()
+
+    prompts_file = _unpack("prompts.jsonl")
+    have = len(read_jsonl(prompts_file))
+    while have < args.prompts and time.time() < deadline:
+        goal = min(args.prompts, have + 256)
+        synthesize_prompts(target, tokenizer, goal, prompts_file, batch_size=32, exclude=exclude, seed=have)
+        have = len(read_jsonl(prompts_file))
+        _pack(prompts_file)
+    prompts = [r["prompt"] for r in read_jsonl(prompts_file)]
+    excluded = {p.strip().lower() for p in exclude}
+    assert not any(p.strip().lower() in excluded for p in prompts), "an evaluation prompt leaked into the training prompts"
+
+    answers_file = _unpack("conversations.jsonl")
+    while time.time() < deadline:
+        done = len(read_jsonl(answers_file))
+        if done >= len(prompts):
+            break
+        # ids are indices into the prompt list, so a growing prefix resumes exactly where the file stops
+        stats = regenerate(target, tokenizer, prompts[: done + args.chunk], answers_file, batch_size=args.batch_size,
+                           max_new_tokens=args.max_new_tokens, progress=False)
+        _pack(answers_file)
+        records = read_jsonl(answers_file)
+        total = sum(len(tokenizer(m["content"])["input_ids"]) for r in records for m in r["messages"]
+                    if m["role"] == "assistant")
+        print(f"[data] {len(records)} conversations, {total} assistant tokens, "
+              f"{stats['tokens_per_s']:.1f} tok/s this chunk", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
