@@ -130,3 +130,17 @@ def test_metrics_and_topk_term():
     assert int(out.metrics["count_1"]) == 2 * 15 and int(out.metrics["count_4"]) == 2 * 12
     with_topk = draft(ids, feats, loss_mask=torch.ones(2, 16), objective=ObjectiveConfig(topk_weight=1.0))
     assert with_topk.loss > out.loss
+
+
+def test_soft_cross_entropy_matches_autograd():
+    from transformers_poss.training.objective import SoftCrossEntropy
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 17, dtype=torch.float64, requires_grad=True)
+    probs = torch.softmax(torch.randn(5, 17, dtype=torch.float64), -1)
+    weights = torch.rand(5, dtype=torch.float64)
+    reference = -(probs * torch.log_softmax(logits, -1)).sum(-1)
+    torch.testing.assert_close(SoftCrossEntropy.apply(logits, probs), reference)
+    (grad,) = torch.autograd.grad((reference * weights).sum(), logits)
+    (fused,) = torch.autograd.grad((SoftCrossEntropy.apply(logits, probs) * weights).sum(), logits)
+    torch.testing.assert_close(fused, grad)
