@@ -471,3 +471,26 @@ def test_hook_is_installed_on_import_and_reversible(llama_and_draft):
         transformers_poss.generation.enable_tree_generation()
     assert generation.is_tree_generation_enabled()
     assert_same(target, draft, prompt, max_new_tokens=6, do_sample=False)
+
+
+def test_dispatched_target_with_offloaded_lm_head(tmp_path, monkeypatch):
+    """device_map with layers and lm_head offloaded (weights on "meta", run by accelerate hooks) keeps working."""
+    from transformers import AutoModelForCausalLM
+
+    reference = tiny_llama_target()
+    reference.save_pretrained(tmp_path / "target")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "disk"}  # fmt: skip
+    target = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "target", device_map=device_map, offload_folder=tmp_path / "offload"
+    )
+    assert target.lm_head.weight.device.type == "meta"
+    prompt = prompts(1)[0]
+    draft = make_draft(target)
+    use_proposer(monkeypatch, lambda gen: OracleProposer(reference, prompt, depth=4, corrupt=0.0))
+    out = target.generate(prompt, assistant_model=draft, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    assert out.sequences.tolist() == reference.generate(prompt, max_new_tokens=12, do_sample=False).tolist()
+    assert max(out.acceptance.accepted_lengths) > 1
+    assert next(draft.parameters()).device.type == "cpu"
+    monkeypatch.undo()  # the real proposer drafts through the offloaded lm_head too
+    assert_same(target, draft, prompt, max_new_tokens=8, do_sample=False)

@@ -27,7 +27,6 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
-from .quantize import linear_weight
 from .kv_cache import (
     UnsupportedCacheError,
     check_cache_supported,
@@ -37,6 +36,7 @@ from .kv_cache import (
     tree_verification_mask,
 )
 from .modeling_poss import PosSDraftModel
+from .quantize import linear_weight
 from .tree import DraftTree
 from .verification import AcceptanceStats, accept_tree
 
@@ -117,7 +117,12 @@ class PosSCandidateGenerator(CandidateGenerator):
 
 
 def _lm_head_device(target) -> torch.device:
-    return linear_weight(target.get_output_embeddings()).device
+    """Where the target's lm_head runs: its accelerate execution device when dispatched/offloaded, else its weight's."""
+    head = target.get_output_embeddings()
+    device = getattr(getattr(head, "_hf_hook", None), "execution_device", None)
+    if device is None:
+        return linear_weight(head).device
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
 
 
 def _draft_device(draft) -> torch.device:
