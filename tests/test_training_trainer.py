@@ -173,3 +173,14 @@ def test_peft_target_features(tmp_path):
     assert not torch.allclose(plain, with_adapter)
     merged = adapted.merge_and_unload()
     torch.testing.assert_close(with_adapter, merged.model(input_ids=tokens).last_hidden_state)
+
+
+def test_bf16_training_step_on_cpu(tmp_path):
+    target = tiny_llama()
+    draft = tiny_draft(target, num_specialists=2, positions_per_specialist=1).train()
+    before = draft.fc.weight.clone()
+    trainer = PosSTrainer(model=draft, args=_args(tmp_path, bf16=True, max_steps=2), target=target,
+                          train_dataset=_sequences(8))
+    result = trainer.train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    assert not torch.equal(before, draft.fc.weight)

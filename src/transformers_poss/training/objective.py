@@ -180,8 +180,10 @@ class SoftCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        lse = torch.logsumexp(logits, dim=-1)
-        dot = torch.bmm(probs.unsqueeze(1), logits.unsqueeze(2)).view(-1)
+        with torch.autocast(device_type=logits.device.type, enabled=False):  # keep fp32 under bf16/fp16 training
+            logits, probs = logits.float(), probs.float()
+            lse = torch.logsumexp(logits, dim=-1)
+            dot = torch.bmm(probs.unsqueeze(1), logits.unsqueeze(2)).view(-1)
         ctx.save_for_backward(logits, probs, lse)
         return lse - dot
 

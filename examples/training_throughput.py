@@ -1,0 +1,95 @@
+"""Measure draft-training throughput (positions/s) on a real target's features.
+
+    OMP_WAIT_POLICY=PASSIVE python examples/training_throughput.py --conversations conv.jsonl \
+        --target smollm2-135m-instruct --batch-size 4
+
+Positions are sequence positions (pairs) processed; assistant positions are those that carry loss.
+"""
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from transformers_poss import PosSDraftConfig, PosSDraftModel
+from transformers_poss.embedded import load_target
+from transformers_poss.training.data import ConversationDataset, load_conversations
+from transformers_poss.training.features import (
+    FeatureShardDataset,
+    PosSDataCollator,
+    TargetFeatures,
+    draft_inputs,
+    write_feature_shards,
+)
+from transformers_poss.training.objective import ObjectiveConfig, set_objective
+from transformers_poss.vocab import build_token_map, count_tokens, set_token_map
+
+
+def make_draft(target, dataset, specialists, per, vocab):
+    config = PosSDraftConfig.for_target(target.config, num_specialists=specialists, positions_per_specialist=per)
+    draft = PosSDraftModel(config).attach_target(target).train()
+    if vocab:
+        counts = count_tokens((e["input_ids"][e["assistant_mask"].bool()] for e in dataset.examples), config.vocab_size)
+        set_token_map(draft, build_token_map(counts, vocab))
+    set_objective(draft, ObjectiveConfig())
+    return draft
+
+
+def timed_steps(draft, batches, features=None, pad=0):
+    """Optimiser steps over ``batches``; returns (positions/s, assistant positions/s)."""
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-5)
+    positions = masked = 0
+    start = time.perf_counter()
+    for batch in batches:
+        if features is not None:
+            batch = draft_inputs(batch["tokens"], batch["loss_mask"], features(batch["tokens"], batch["attention_mask"]), pad)
+            positions += int((batch["input_ids"] >= 0).sum())
+        else:
+            positions += int(batch["input_ids"].numel())
+        draft(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        masked += int(batch["loss_mask"].sum())
+    seconds = time.perf_counter() - start
+    return positions / seconds, masked / seconds
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--conversations", required=True)
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, tokenizer = load_target(args.target)
+    dataset = ConversationDataset(load_conversations(args.conversations), tokenizer, args.max_length)
+    print(f"{len(dataset)} sequences, {dataset.num_tokens} tokens")
+    collate = PosSDataCollator(tokenizer.pad_token_id)
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        write_feature_shards(target, dataset, folder, batch_size=args.batch_size, progress=False)
+        seconds = time.perf_counter() - start
+        size = sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
+        print(f"offline features: {dataset.num_tokens / seconds:.0f} positions/s, "
+              f"{size / dataset.num_tokens * 1000 / 1e6:.2f} MB per 1k tokens (bf16)")
+        stored = FeatureShardDataset(folder)
+        offline = [collate([stored[i] for i in range(b, min(len(stored), b + args.batch_size))])
+                   for b in range(0, len(stored), args.batch_size)]
+        online = [collate(dataset.examples[b : b + args.batch_size]) for b in range(0, len(dataset), args.batch_size)]
+        for specialists, per, vocab in [(1, 1, None), (3, 2, None), (1, 1, 8192), (3, 2, 8192)]:
+            draft = make_draft(target, dataset, specialists, per, vocab)
+            timed_steps(draft, offline[:1])  # warm-up
+            rate, masked = timed_steps(draft, offline)
+            name = f"S={specialists} N={per} K={specialists * per} vocab={vocab or 'full'}"
+            print(f"{name}: offline {rate:.0f} positions/s ({masked:.0f} assistant positions/s)", flush=True)
+            if vocab is None:
+                rate, masked = timed_steps(draft, online, TargetFeatures(target), tokenizer.pad_token_id)
+                print(f"{name}: online  {rate:.0f} positions/s ({masked:.0f} assistant positions/s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
