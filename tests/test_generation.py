@@ -185,6 +185,21 @@ def test_max_length_and_max_new_tokens(monkeypatch):
         assert not truncated_last_run(out, prompt)  # trees are cut to the remaining budget
 
 
+def test_use_cache_false_and_user_cache(monkeypatch):
+    """Tree verification always needs the target's cache: use_cache=False still works; a fresh user cache is used."""
+    target = tiny_llama_target()
+    draft = make_draft(target)
+    prompt = prompts(1)[0]
+    assert_same(target, draft, prompt, max_new_tokens=10, do_sample=False, use_cache=False)
+    cache = DynamicCache(config=target.config)
+    expected = target.generate(prompt, max_new_tokens=10, do_sample=False)
+    out = target.generate(prompt, assistant_model=draft, max_new_tokens=10, cache=cache, return_dict_in_generate=True)
+    assert out.sequences.tolist() == expected.tolist()
+    assert out.cache is cache and cache.get_seq_length() == prompt.shape[1] + 9
+    with pytest.raises(ValueError, match="pre-filled cache"):
+        target.generate(out.sequences, assistant_model=draft, max_new_tokens=4, cache=cache)
+
+
 def test_stop_strings_and_custom_criteria(monkeypatch):
     target = tiny_llama_target()
     tokenizer = tiny_tokenizer()
