@@ -184,3 +184,21 @@ def test_bf16_training_step_on_cpu(tmp_path):
     result = trainer.train()
     assert torch.isfinite(torch.tensor(result.training_loss))
     assert not torch.equal(before, draft.fc.weight)
+
+
+def test_position_accuracy_callback_with_a_plain_trainer(tmp_path):
+    from transformers_poss.training.trainer import PositionAccuracyCallback
+
+    target = tiny_llama()
+    draft = tiny_draft(target, num_specialists=2, positions_per_specialist=1).train()
+    collate = PosSDataCollator()
+    held_out = [collate(_sequences(4, seed=9))]
+    callback = PositionAccuracyCallback(held_out, target=target, every_steps=2)
+    features = TargetFeatures(target)
+    stored = [dict(d, hidden_states=features(d["input_ids"][None])[0]) for d in _sequences(8)]
+    trainer = Trainer(model=draft, args=_args(tmp_path, max_steps=4, remove_unused_columns=False),
+                      train_dataset=stored, data_collator=collate, callbacks=[callback])
+    trainer.train()
+    assert [r["step"] for r in callback.history] == [2, 4]
+    assert 0.0 <= callback.history[-1]["heldout_accept_2"] <= 1.0
+    assert draft.training  # restored after each evaluation

@@ -22,7 +22,15 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from .features import PosSDataCollator, TargetFeatures, draft_inputs
 from .objective import ObjectiveConfig, set_objective
 
-__all__ = ["PosSTrainingArguments", "PosSTrainer", "ClipGradValueCallback", "init_specialists", "unwrap_draft"]
+__all__ = [
+    "PosSTrainingArguments",
+    "PosSTrainer",
+    "ClipGradValueCallback",
+    "PositionAccuracyCallback",
+    "evaluate_draft",
+    "init_specialists",
+    "unwrap_draft",
+]
 
 
 @dataclass
@@ -71,6 +79,48 @@ class ClipGradValueCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         torch.nn.utils.clip_grad_value_([p for p in model.parameters() if p.grad is not None], self.max_value)
+
+
+class PositionAccuracyCallback(TrainerCallback):
+    """Position-wise accuracy of the draft on held-out conversations, for any Trainer.
+
+    Every ``every_steps`` optimiser steps (and at every evaluation) the draft runs over ``eval_batches`` (collated
+    batches, with stored features or with ``target`` for online features); the figures of [`evaluate_draft`] are
+    added to ``state.log_history`` as ``{prefix}_acc_d`` / ``{prefix}_accept_d`` / ``{prefix}_chain_tau``.
+    """
+
+    def __init__(self, eval_batches, target=None, every_steps: int | None = None, prefix: str = "heldout",
+                 pad_token_id: int = 0):
+        self.batches = list(eval_batches)
+        self.features = TargetFeatures(target) if target is not None else None
+        self.every_steps, self.prefix, self.pad_token_id = every_steps, prefix, pad_token_id
+        self.history: list[dict] = []
+
+    def _with_features(self, batch):
+        if "tokens" not in batch:
+            return batch
+        if self.features is None:
+            raise ValueError("Held-out batches without stored features need `target=`.")
+        features = self.features(batch["tokens"], batch["attention_mask"])
+        return draft_inputs(batch["tokens"], batch["loss_mask"], features, self.pad_token_id)
+
+    def _run(self, state, model):
+        device = next(model.parameters()).device
+        prepare = lambda b: {k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()}  # noqa: E731
+        metrics = evaluate_draft(model, self.batches, prepare, self._with_features)
+        record = {f"{self.prefix}_{k}": v for k, v in metrics.items()} | {"step": state.global_step}
+        self.history.append(record)
+        state.log_history.append(record)
+        return record
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.every_steps and state.global_step % self.every_steps == 0:
+            self._run(state, model)
+
+    def on_evaluate(self, args, state, control, model=None, metrics=None, **kwargs):
+        record = self._run(state, model)
+        if metrics is not None:
+            metrics.update({k: v for k, v in record.items() if k != "step"})
 
 
 def unwrap_draft(model):
