@@ -117,3 +117,14 @@ def test_degenerate_prompt_filter():
     assert is_degenerate("") and is_degenerate("hi") and is_degenerate("the the the the the the the the the")
     assert is_degenerate("Tell me <|im_start|> something")
     assert not is_degenerate("Can you suggest three healthy breakfast ideas for a busy morning?")
+
+
+def test_int8_copy_generates_like_a_causal_lm(tiny_chat_target, tmp_path):
+    from transformers_poss.training.distill import int8_copy
+
+    _, model, tokenizer = tiny_chat_target
+    quantized = int8_copy(model)
+    assert isinstance(quantized.lm_head, torch.ao.nn.quantized.dynamic.Linear)
+    assert not isinstance(model.lm_head, torch.ao.nn.quantized.dynamic.Linear)  # the original is untouched
+    stats = regenerate(quantized, tokenizer, ["Say hello."], tmp_path / "c.jsonl", max_new_tokens=4, progress=False)
+    assert stats["generated_tokens"] > 0

@@ -19,7 +19,15 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-__all__ = ["user_prefix", "end_of_turn_ids", "is_degenerate", "synthesize_prompts", "regenerate", "read_jsonl"]
+__all__ = [
+    "user_prefix",
+    "end_of_turn_ids",
+    "is_degenerate",
+    "synthesize_prompts",
+    "regenerate",
+    "read_jsonl",
+    "int8_copy",
+]
 
 _SENTINEL = "\u2063POSS_USER_TURN\u2063"
 _END_MARKERS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>")
@@ -36,6 +44,17 @@ def _append_jsonl(path, records):
     with open(path, "a", encoding="utf-8") as handle:
         for record in records:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def int8_copy(model):
+    """A copy of ``model`` with int8 dynamic-quantized Linear layers (CPU, fbgemm) for faster generation.
+
+    About 2x faster per decoding step than fp32 on a 2-core AVX2 CPU at batch 64. Its outputs differ slightly from
+    the fp32 model's: use it when the target will also run in int8.
+    """
+    import copy
+
+    return torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
 
 
 def user_prefix(tokenizer, chat_template=None, system_prompt: str | None = None) -> str:
