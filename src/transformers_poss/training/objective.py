@@ -181,7 +181,8 @@ class SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type=logits.device.type, enabled=False):  # keep fp32 under bf16/fp16 training
-            logits, probs = logits.float(), probs.float()
+            dtype = torch.promote_types(logits.dtype, torch.float32)
+            logits, probs = logits.to(dtype), probs.to(dtype)
             lse = torch.logsumexp(logits, dim=-1)
             dot = torch.bmm(probs.unsqueeze(1), logits.unsqueeze(2)).view(-1)
         ctx.save_for_backward(logits, probs, lse)
