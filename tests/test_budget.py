@@ -72,3 +72,47 @@ def test_measurements_run_on_a_tiny_model():
     assert set(times) == {1, 4} and all(t > 0 for t in times.values())
     context, step = measure_draft_seconds(tiny_draft(target), top_k=2, context_length=16, repeats=2)
     assert context > 0 and step >= 0
+
+
+def _generate(target, draft, **kwargs):
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    plain = target.generate(ids, max_new_tokens=24, do_sample=False)
+    out = target.generate(ids, assistant_model=draft, max_new_tokens=24, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)  # lossless whatever the budget decides
+    return out.acceptance
+
+
+def test_auto_budget_in_generate_measures_once_and_stays_lossless(tmp_path, monkeypatch):
+    monkeypatch.setenv("POSS_CACHE", str(tmp_path))
+    target = tiny_llama()
+    draft = tiny_draft(target)
+    draft.generation_config.tree_total_tokens = "auto"
+    draft.generation_config.tree_max_total_tokens = 8
+    stats = _generate(target, draft)
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 1  # the profile is cached on disk
+    assert stats.num_rounds >= 1
+
+
+def test_auto_budget_falls_back_when_speculation_cannot_pay(tmp_path, monkeypatch):
+    from transformers_poss import budget as budget_module
+
+    # a machine where drafting is very expensive: no tree can pay for itself
+    expensive = _profile({1: 1.0, 64: 2.0}, draft=50.0)
+    monkeypatch.setattr(budget_module, "load_or_measure_profile", lambda *a, **k: expensive)
+    target = tiny_llama()
+    draft = tiny_draft(target)
+    draft.generation_config.tree_total_tokens = "auto"
+    stats = _generate(target, draft)
+    assert stats.fell_back_to_plain
+    assert stats.accepted_lengths[-1] == 1
+
+
+def test_rounds_are_recorded_for_replay():
+    target = tiny_llama()
+    draft = tiny_draft(target)
+    draft.generation_config.tree_record_rounds = True
+    stats = _generate(target, draft)
+    assert len(stats.rounds) == stats.num_rounds
+    profile = _profile({1: 1.0, 64: 1.0})
+    replay = simulate_shape(stats.rounds, profile, depth=6, total_tokens=60)
+    assert abs(replay["mean_acceptance_length"] - stats.mean_acceptance_length) < 1e-9

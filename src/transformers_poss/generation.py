@@ -43,6 +43,7 @@ from .verification import AcceptanceStats, accept_tree
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 DEFAULT_TREE_SHAPE = {"tree_depth": 6, "tree_top_k": 10, "tree_total_tokens": 60}
+AUTO_MAX_NODES = 64  # upper bound on verified nodes with tree_total_tokens="auto"
 
 
 @dataclass
@@ -61,12 +62,18 @@ def is_tree_draft(model) -> bool:
     return isinstance(model, PosSDraftModel)
 
 
-def tree_shape(draft) -> tuple[int, int, int]:
-    """(depth, top_k, total_tokens) from ``draft.generation_config``, with the paper's defaults 6 / 10 / 60."""
+def tree_shape(draft) -> tuple[int, int, int | str]:
+    """(depth, top_k, total_tokens) from ``draft.generation_config``, with the paper's defaults 6 / 10 / 60.
+
+    ``total_tokens`` may be ``"auto"``: the number of verified nodes is then chosen every round from the measured
+    cost curve of this machine (see `transformers_poss.budget`).
+    """
     config = getattr(draft, "generation_config", None)
     values = [getattr(config, name, None) or default for name, default in DEFAULT_TREE_SHAPE.items()]
-    depth, top_k, total = (int(v) for v in values)
-    if depth < 1 or top_k < 1 or total < 2:
+    auto = values[2] == "auto"
+    depth, top_k = int(values[0]), int(values[1])
+    total = "auto" if auto else int(values[2])
+    if depth < 1 or top_k < 1 or (not auto and total < 2):
         raise ValueError(f"invalid tree shape: depth={depth}, top_k={top_k}, total_tokens={total}")
     return depth, top_k, total
 
@@ -96,7 +103,34 @@ class PosSCandidateGenerator(CandidateGenerator):
     def _make_proposer(self):
         from .proposer import PosSProposer
 
+        config = self.draft.generation_config
+        self.record = bool(getattr(config, "tree_record_rounds", False))
+        self.rounds = []
+        self.budget = None
+        self.fell_back = False
+        if self.total_tokens == "auto":
+            from .budget import TreeBudget, load_or_measure_profile
+
+            self.total_tokens = int(getattr(config, "tree_max_total_tokens", None) or AUTO_MAX_NODES)
+            profile = load_or_measure_profile(self.target, self.draft, top_k=self.top_k)
+            self.budget = TreeBudget(profile, depth=self.depth, max_nodes=self.total_tokens)
         return PosSProposer(self.draft, depth=self.depth, top_k=self.top_k, total_tokens=self.total_tokens)
+
+    def _shape_tree(self, tree: DraftTree) -> DraftTree:
+        """With an automatic budget, keep the nodes worth verifying on this machine."""
+        if self.budget is None:
+            return tree
+        keep, _ = self.budget.choose(tree.scores)
+        return tree.select(keep.to(tree.tokens.device))
+
+    def observe(self, tree: DraftTree, accepted) -> None:
+        """Feed a verified round back: calibrates the automatic budget; records rounds when asked."""
+        if self.budget is not None and not self.fell_back:
+            self.budget.observe(accepted.num_accepted)
+        if self.record and tree.scores is not None:
+            from .budget import RoundRecord
+
+            self.rounds.append(RoundRecord(depths=tree.depths.cpu(), scores=tree.scores.cpu(), path=accepted.path.cpu()))
 
     def get_candidates(
         self, input_ids: torch.LongTensor, new_tokens: torch.LongTensor = None, new_features: torch.Tensor = None
@@ -112,8 +146,11 @@ class PosSCandidateGenerator(CandidateGenerator):
         Returns:
             `(tree, None)`: the tree on the device of ``input_ids``; no candidate logits (the draft is deterministic).
         """
+        if self.budget is not None and (self.fell_back or self.budget.should_fall_back()):
+            self.fell_back = True  # speculation does not pay here: plain decoding steps for the rest of the call
+            return DraftTree.root_only(input_ids[0, -1]), None
         tree = self.proposer.propose(new_tokens.to(self.device), new_features.to(self.device))
-        return tree.to(input_ids.device), None
+        return self._shape_tree(tree).to(input_ids.device), None
 
 
 def _lm_head_device(target) -> torch.device:
@@ -334,6 +371,7 @@ def _tree_assisted_decoding(
         clock = time.perf_counter()
         accepted = accept_tree(tree, logits, emitter.input_ids, logits_processor, do_sample)
         stats.record(accepted.num_accepted, accepted.proposed_next)
+        candidate_generator.observe(tree, accepted)
         stats.add_time("acceptance", time.perf_counter() - clock)
 
         clock = time.perf_counter()
@@ -347,6 +385,8 @@ def _tree_assisted_decoding(
         new_features = features[accepted.path.to(features.device)][None]
 
     finish_cache_after_tree(cache)
+    stats.rounds = candidate_generator.rounds
+    stats.fell_back_to_plain = candidate_generator.fell_back
     if streamer is not None:
         streamer.end()
     if not return_dict:

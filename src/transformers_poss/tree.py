@@ -55,6 +55,19 @@ class DraftTree:
             out.add(tuple(tokens[j] for j in ancestors))
         return out
 
+    @classmethod
+    def root_only(cls, token: torch.Tensor) -> "DraftTree":
+        """A tree of just the root: verifying it is a plain decoding step."""
+        token = torch.as_tensor(token).reshape(1)
+        device = token.device
+        return cls(
+            tokens=token.long(),
+            parents=torch.tensor([-1], device=device),
+            depths=torch.zeros(1, dtype=torch.long, device=device),
+            tree_mask=torch.ones(1, 1, dtype=torch.bool, device=device),
+            scores=torch.zeros(1, device=device),
+        )
+
     def select(self, keep: torch.Tensor) -> "DraftTree":
         """The sub-tree of the nodes in ``keep`` (bool mask `[n]` or ascending indices including 0, closed under
         parents). Node order is preserved, so parents still come before children."""

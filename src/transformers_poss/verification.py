@@ -189,12 +189,17 @@ class AcceptanceStats:
         position_proposed (`list[int]`): at index ``i``, rounds that proposed a draft token at position ``i + 1``
             after accepting positions ``1..i``.
         timings (`dict[str, float]`): seconds spent per phase (drafting, verification, acceptance, cache_update).
+        rounds (`list`): per-round trees and accepted paths (`budget.RoundRecord`), when recording was asked for.
+        fell_back_to_plain (`bool`): the automatic budget found that speculation does not pay on this machine and
+            finished the call with plain decoding steps.
     """
 
     accepted_lengths: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
     position_proposed: list[int] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    rounds: list = field(default_factory=list)
+    fell_back_to_plain: bool = False
 
     def record(self, num_accepted: int, proposed_next: bool) -> None:
         """Add one round that accepted ``num_accepted`` draft tokens."""
@@ -241,4 +246,6 @@ class AcceptanceStats:
             setattr(out, name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(size)])
         for phase in set(self.timings) | set(other.timings):
             out.timings[phase] = self.timings.get(phase, 0.0) + other.timings.get(phase, 0.0)
+        out.rounds = self.rounds + other.rounds
+        out.fell_back_to_plain = self.fell_back_to_plain or other.fell_back_to_plain
         return out

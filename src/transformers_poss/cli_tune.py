@@ -1,0 +1,136 @@
+"""`poss tune`: choose the tree shape for this machine.
+
+1. Measures (once, cached) the target's verification cost curve t(n) and the draft's step times.
+2. Records a few generations with a large tree (every round's tree and accepted path).
+3. Replays the recorded rounds under every candidate shape (depth x total tokens) with the measured costs and picks
+   the shape with the highest predicted speed-up; speculation that would not pay is reported as such.
+4. Measures the chosen shape against plain decoding, interleaved prompt by prompt, and prints predicted vs measured.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+DEPTHS = (1, 2, 3, 4, 5, 6, 7, 8)
+SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--target", default="smollm2-135m-instruct", help="embedded name, Hub id or folder")
+    parser.add_argument("--draft", required=True, help="draft folder or Hub id")
+    parser.add_argument("--questions", nargs="*", default=None,
+                        help="question files (mt_bench.jsonl format); default: the demo prompts")
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=None, help="tree top-k (default: the draft's)")
+    parser.add_argument("--quantize", choices=["none", "int8"], default="none")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--refresh", action="store_true", help="measure the cost curve again")
+    parser.add_argument("--save", action="store_true", help="write the chosen shape into the draft folder")
+    parser.add_argument("--output", default=None, help="write the tuning report (JSON) here")
+
+
+def _prompts(args, tokenizer, chat):
+    from .bench import encode_prompt
+    from .cli_demo import DEMO_PROMPTS
+
+    texts = list(DEMO_PROMPTS)
+    if args.questions:
+        texts = []
+        for path in args.questions:
+            with open(path, encoding="utf-8") as fh:
+                texts += [json.loads(line)["turns"][0] for line in fh if line.strip()]
+    return [encode_prompt(tokenizer, t, chat) for t in texts[: args.num_prompts]]
+
+
+def record_rounds(target, draft, prompts, max_new_tokens, depth, top_k, total):
+    """Generate greedily with a large tree and return every round's [`RoundRecord`]."""
+    from .bench_methods import tree_shape
+
+    records = []
+    with tree_shape(draft, depth, top_k, total):
+        draft.generation_config.tree_record_rounds = True
+        try:
+            for ids, mask in prompts:
+                out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=draft, do_sample=False,
+                                      max_new_tokens=max_new_tokens, return_dict_in_generate=True)
+                records += out.acceptance.rounds
+        finally:
+            draft.generation_config.tree_record_rounds = False
+    return records
+
+
+def measure(target, draft, prompts, max_new_tokens, shape):
+    """Median per-prompt speed-up of ``shape`` over plain greedy, interleaved; also the mean acceptance length."""
+    from .bench_methods import tree_shape
+
+    ratios, taus = [], []
+    for ids, mask in prompts:
+        kwargs = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens)
+        start = time.perf_counter()
+        plain = target.generate(**kwargs)
+        t_plain = time.perf_counter() - start
+        with tree_shape(draft, shape["depth"], None, shape["total_tokens"]):
+            start = time.perf_counter()
+            spec = target.generate(**kwargs, assistant_model=draft, return_dict_in_generate=True)
+            t_spec = time.perf_counter() - start
+        if not torch.equal(plain, spec.sequences):
+            raise RuntimeError("speculative output differs from plain greedy decoding")
+        ratios.append(t_plain / t_spec)
+        taus.append(spec.acceptance.mean_acceptance_length)
+    return statistics.median(ratios), statistics.mean(taus)
+
+
+def run(args) -> int:
+    import transformers_poss  # noqa: F401
+
+    from .bench_cli import load_draft, quantized
+    from .budget import load_or_measure_profile, simulate_shape
+    from .embedded import load_target, uses_chat_template
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, tokenizer = load_target(args.target)
+    target = quantized(target, args.quantize)
+    draft = load_draft(args.draft, target)
+    top_k = args.top_k or draft.generation_config.tree_top_k
+    prompts = _prompts(args, tokenizer, uses_chat_template(args.target, tokenizer))
+    profile = load_or_measure_profile(target, draft, top_k=top_k, refresh=args.refresh, verbose=True)
+    print("verification cost t(n)/t(1): " + ", ".join(f"{n}: {r:.2f}" for n, r in profile.curve().items()))
+    print(f"t(1) = {profile.verify(1) * 1000:.1f} ms; draft context step {profile.draft_context_seconds * 1000:.1f} ms,"
+          f" further step {profile.draft_step_seconds * 1000:.1f} ms")
+
+    # warm-up, then record with the largest shape considered
+    ids, mask = prompts[0]
+    target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, assistant_model=draft)
+    records = record_rounds(target, draft, prompts, args.max_new_tokens, max(DEPTHS), top_k, max(SIZES))
+    results = [simulate_shape(records, profile, d, n) for d in DEPTHS for n in SIZES if n <= 1 + top_k * d * top_k]
+    results.sort(key=lambda r: r["predicted_speedup"], reverse=True)
+    print(f"\n{len(records)} recorded rounds; best predicted shapes (top-k {top_k}):")
+    print("| depth | total tokens | predicted acceptance length | predicted speed-up |\n|---:|---:|---:|---:|")
+    for r in results[:8]:
+        print(f"| {r['depth']} | {r['total_tokens']} | {r['mean_acceptance_length']:.2f} | {r['predicted_speedup']:.2f}x |")
+    best = results[0]
+    report = {"profile": json.loads(profile.to_json()), "candidates": results, "chosen": best}
+    if best["predicted_speedup"] < 1.0:
+        print(f"\nNo tree shape is predicted to beat plain decoding here (best {best['predicted_speedup']:.2f}x): "
+              "use plain generate, or tree_total_tokens='auto', which falls back to plain decoding by itself.")
+    measured, tau = measure(target, draft, prompts, args.max_new_tokens, best)
+    report["measured"] = {"speedup": measured, "mean_acceptance_length": tau}
+    print(f"\nchosen: depth {best['depth']}, top-k {top_k}, {best['total_tokens']} nodes -> predicted "
+          f"{best['predicted_speedup']:.2f}x (acceptance length {best['mean_acceptance_length']:.2f}), measured "
+          f"{measured:.2f}x (acceptance length {tau:.2f})")
+    if args.save:
+        draft.generation_config.tree_depth = best["depth"]
+        draft.generation_config.tree_top_k = top_k
+        draft.generation_config.tree_total_tokens = best["total_tokens"]
+        draft.generation_config.save_pretrained(args.draft)
+        print(f"saved the shape to {args.draft}/generation_config.json")
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=1)
+    return 0
