@@ -98,11 +98,11 @@ class PosSCandidateGenerator(CandidateGenerator):
         self.device = _lm_head_device(target)
         if _draft_device(draft) != self.device:
             draft.to(self.device)
+        self._setup_budget()
         self.proposer = self._make_proposer()
 
-    def _make_proposer(self):
-        from .proposer import PosSProposer
-
+    def _setup_budget(self):
+        """Round recording and, with ``tree_total_tokens="auto"``, the machine's speculation budget."""
         config = self.draft.generation_config
         self.record = bool(getattr(config, "tree_record_rounds", False))
         self.rounds = []
@@ -114,6 +114,10 @@ class PosSCandidateGenerator(CandidateGenerator):
             self.total_tokens = int(getattr(config, "tree_max_total_tokens", None) or AUTO_MAX_NODES)
             profile = load_or_measure_profile(self.target, self.draft, top_k=self.top_k)
             self.budget = TreeBudget(profile, depth=self.depth, max_nodes=self.total_tokens)
+
+    def _make_proposer(self):
+        from .proposer import PosSProposer
+
         return PosSProposer(self.draft, depth=self.depth, top_k=self.top_k, total_tokens=self.total_tokens)
 
     def _shape_tree(self, tree: DraftTree) -> DraftTree:
