@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("transformers_poss.cli_generate", "generate text with a target, optionally with a PosS draft"),
     "bench": ("transformers_poss.bench", "measure acceptance and speed-up of decoding methods side by side"),
     "convert": ("transformers_poss.cli_convert", "convert an official PosS / EAGLE / HASS checkpoint"),
+    "tune": ("transformers_poss.cli_tune", "choose the tree shape for this machine (cost curve + replay)"),
     "vocab": ("transformers_poss.cli_vocab", "give a draft a reduced drafting vocabulary (no retraining)"),
     "train": ("transformers_poss.training.cli", "train a PosS / EAGLE-2 / HASS draft for a target"),
 }
