@@ -36,7 +36,7 @@ from .kv_cache import (
     tree_verification_mask,
 )
 from .modeling_poss import PosSDraftModel
-from .quantize import linear_weight
+from .quantize import is_batch_variant, linear_weight
 from .tree import DraftTree
 from .verification import AcceptanceStats, accept_tree
 
@@ -201,6 +201,12 @@ def _check_generation_config(model, draft, generation_mode, generation_config) -
         raise ValueError(
             f"Tree verification needs an arbitrary 4D attention mask, which attn_implementation={attention!r} "
             f"cannot take. Load the target with attn_implementation='sdpa' (or 'eager')."
+        )
+    if is_batch_variant(model):
+        raise ValueError(
+            "The target holds dynamically quantized int8 linears: their activation scale is shared by all tokens of a "
+            "forward, so verifying several tokens at once cannot reproduce the target's own greedy output and tree "
+            "speculation would not be lossless. Use the float target (fp32 / bf16); quantizing only the draft is fine."
         )
     draft.config.check_target(model.config)  # raises ValueError on fingerprint / vocab / hidden size mismatch
     if getattr(draft, "_target_lm_head", None) is not model.get_output_embeddings():

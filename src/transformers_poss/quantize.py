@@ -1,10 +1,14 @@
-"""int8 weight quantization for the CPU fast path.
+"""int8 weight quantization for the CPU.
 
-On CPUs a decode step is bound by reading weights; int8 weights (with dynamically quantized activations, fbgemm /
-x86 kernels) roughly halve a target forward and make small tree verifications cost little more than one token.
-torch's dynamic quantization serves the CPU directly (torchao's int8 configs target GPUs first), so it is used here.
-The same function is applied to the baseline in ``poss bench --quantize int8`` so comparisons stay fair; tree
-speculation stays exactly lossless with respect to the quantized target's own greedy output.
+On CPUs a decode step is bound by reading weights; int8 weights with dynamically quantized activations (fbgemm /
+x86 kernels) roughly halve a target forward. torch's dynamic quantization serves the CPU directly (torchao's int8
+configs target GPUs first), so it is used here.
+
+Caveat that matters for speculation: dynamic quantization scales the activations of ALL tokens of one forward with
+one scale, so a token's logits depend on the other tokens verified beside it. Verifying a tree (or a chain) of
+tokens in one forward therefore cannot reproduce the int8 model's own one-token-at-a-time greedy output, and
+``generate(assistant_model=draft)`` refuses a target quantized this way (see `is_batch_variant`). Quantizing the
+DRAFT is always fine: the draft only proposes, the target decides.
 """
 
 from __future__ import annotations
@@ -34,6 +38,14 @@ def linear_bias(module: nn.Module) -> torch.Tensor | None:
 
 def is_quantized(model: nn.Module) -> bool:
     return bool(getattr(model, "_poss_quantized", None))
+
+
+def is_batch_variant(model: nn.Module) -> bool:
+    """True when ``model`` holds dynamically quantized linears (per-tensor activation scales shared by all tokens of a
+    forward), whose output for one token depends on the other tokens computed with it."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    return any(isinstance(m, DynamicQuantizedLinear) for m in model.modules())
 
 
 def quantize_int8(model: nn.Module, include_lm_head: bool = True) -> nn.Module:
