@@ -1,4 +1,4 @@
-"""`poss train` end to end on a tiny chat model, and self-distillation helpers."""
+"""`poss train` end to end on a tiny chat model, and the self-distillation functions."""
 
 import importlib.util
 import json

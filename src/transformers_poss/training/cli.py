@@ -52,7 +52,11 @@ DEFAULTS = {
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--config", help="YAML or JSON recipe (see `poss train --help` module docs)")
+    import argparse
+
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--config", help="YAML or JSON recipe (layout above)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config entry, e.g. training.max_steps=100 (VALUE is parsed as YAML)")
     parser.add_argument("--target", help="target model (embedded name, Hub id or folder)")
