@@ -30,6 +30,7 @@ def test_two_process_gloo_training(tmp_path, unrolled_steps):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["world_size"] == 2
     assert ranks[0]["fc"] == pytest.approx(ranks[1]["fc"], rel=0, abs=1e-9)  # replicas stay in sync
+    assert ranks[0]["eval_acc_1"] == ranks[1]["eval_acc_1"]  # evaluation counts are summed over both processes
     initial = tiny_draft(tiny_llama(), num_specialists=2, positions_per_specialist=1)
     assert ranks[0]["fc"] != pytest.approx(initial.fc.weight.double().sum().item(), abs=1e-6)
     unused = unrolled_steps == 1  # specialist 1 never runs: DDP must be told to look for unused parameters

@@ -22,11 +22,13 @@ def main(out_dir, unrolled_steps):
     args = PosSTrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, max_steps=3, use_cpu=True,
                                  report_to="none", save_strategy="no", learning_rate=1e-2, disable_tqdm=True,
                                  num_unrolled_steps=unrolled_steps, ddp_backend="gloo")
-    trainer = PosSTrainer(model=draft, args=args, target=target, train_dataset=data)
+    trainer = PosSTrainer(model=draft, args=args, target=target, train_dataset=data[:12], eval_dataset=data[12:])
     trainer.train()
+    metrics = trainer.evaluate()
     rank = int(os.environ.get("RANK", 0))
     record = {"world_size": trainer.args.world_size, "find_unused": args.ddp_find_unused_parameters,
-              "fc": draft.fc.weight.double().sum().item(), "layer1": draft.layers[1].mlp.up_proj.weight.double().sum().item()}
+              "fc": draft.fc.weight.double().sum().item(), "layer1": draft.layers[1].mlp.up_proj.weight.double().sum().item(),
+              "eval_acc_1": metrics["eval_acc_1"]}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
         json.dump(record, handle)
 
