@@ -31,6 +31,9 @@ def main(out_dir, unrolled_steps):
               "eval_acc_1": metrics["eval_acc_1"]}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
         json.dump(record, handle)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
