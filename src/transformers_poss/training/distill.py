@@ -49,8 +49,8 @@ def _append_jsonl(path, records):
 def int8_copy(model):
     """A copy of ``model`` with int8 dynamic-quantized Linear layers (CPU, fbgemm) for faster generation.
 
-    About 2x faster per decoding step than fp32 on a 2-core AVX2 CPU at batch 64. Its outputs differ slightly from
-    the fp32 model's: use it when the target will also run in int8.
+    About 2x faster per decoding step than fp32 on a 2-core AVX2 CPU at batch 64. Its outputs differ from the fp32
+    model's, so the draft then learns a slightly different distribution than the one it will draft for.
     """
     import copy
 
