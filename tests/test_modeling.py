@@ -226,3 +226,12 @@ def test_push_to_hub_uploads_weights_and_card(tmp_path, monkeypatch):
     assert draft.push_to_hub("user/poss2-tiny") == "ok"
     assert "model.safetensors" in uploaded["files"] and "config.json" in uploaded["files"]
     assert "user/poss2-tiny" in uploaded["card"] and "| training depth (S x N) | 6 |" in uploaded["card"]
+
+
+def test_gradient_checkpointing_switch():
+    draft = tiny_draft(tiny_llama())
+    assert not draft.is_gradient_checkpointing
+    draft.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert draft.is_gradient_checkpointing
+    draft.gradient_checkpointing_disable()
+    assert not draft.is_gradient_checkpointing

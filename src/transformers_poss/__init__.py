@@ -4,7 +4,15 @@ Importing the package registers the Auto classes (``AutoConfig`` / ``AutoModel``
 and makes ``generate(assistant_model=draft)`` run tree speculation when ``draft`` is a [`PosSDraftModel`].
 """
 
-from transformers import AutoConfig, AutoModel
+import os as _os
+import sys as _sys
+
+if "torch" not in _sys.modules:
+    # OpenMP threads that sleep instead of spinning between the many small operations of a draft step: several
+    # times faster on CPUs shared with other work (set before torch is imported; a user setting wins).
+    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from transformers import AutoConfig, AutoModel  # noqa: E402
 
 from .configuration_poss import PosSDraftConfig
 from .modeling_poss import PosSDraftCache, PosSDraftModel, PosSDraftOutput

@@ -188,6 +188,17 @@ class PosSPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _supports_sdpa = True
 
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        """Recompute each unrolled training step in the backward pass (the objective honours this flag)."""
+        object.__setattr__(self, "_poss_checkpoint_layers", True)
+
+    def gradient_checkpointing_disable(self):
+        object.__setattr__(self, "_poss_checkpoint_layers", False)
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return bool(getattr(self, "_poss_checkpoint_layers", False))
+
 
 class PosSDraftModel(PosSPreTrainedModel):
     """PosS draft: ``fc`` fuses [embed(x_{t+1}), f_t]; specialist ``s`` predicts f_{t+1}; logits via the target's
