@@ -21,7 +21,7 @@ demo: $(STAMP)
 
 # pytest exits 5 when it collected nothing: treat that as a failure, loudly.
 test: $(STAMP)
-	@$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS); rc=$$?; \
+	@OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BIN)/python -m pytest -q -rs $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose"; exit 1; fi; exit $$rc
 
 test-unit: $(STAMP)
