@@ -24,6 +24,7 @@ from tree_testing import (
     RandomProposer,
     TargetTopKProposer,
     chi_square_p_value,
+    one_thread,  # noqa: F401 - autouse fixture
     tiny_gemma3_target,
     tiny_llama_target,
     tiny_tokenizer,
@@ -31,14 +32,6 @@ from tree_testing import (
 )
 
 VOCAB = 96
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add overhead on a shared CPU
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_draft(target, depth=4, top_k=4, total=16, seed=1):

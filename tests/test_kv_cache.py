@@ -10,6 +10,7 @@ from transformers_poss.kv_cache import (
     prepare_cache_for_tree,
     tree_verification_mask,
 )
+from tree_testing import one_thread  # noqa: F401 - autouse fixture
 from tree_testing import random_tree, tiny_gemma3_target, tiny_llama_target
 
 

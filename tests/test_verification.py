@@ -9,6 +9,7 @@ from transformers_poss.verification import (
     rejection_sample_children,
     sequential_accept,
 )
+from tree_testing import one_thread  # noqa: F401 - autouse fixture
 from tree_testing import chi_square_p_value, random_tree, tree_from_parents
 
 VOCAB = 16

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from transformers_poss.tree import DraftTree, ancestor_mask_from_parents
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: extra threads only add overhead (and spin) on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def tiny_llama_target(vocab_size=96, seed=0, attn="sdpa", layers=2, **kwargs):
