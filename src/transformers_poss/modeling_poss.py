@@ -374,48 +374,22 @@ class PosSDraftModel(PosSPreTrainedModel):
         super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             self.generation_config.save_pretrained(save_directory)
-            from .model_card import write_model_card
+            from .hub import write_model_card
 
             write_model_card(self, save_directory)
 
-    def push_to_hub(
-        self,
-        repo_id: str,
-        commit_message: str | None = None,
-        private: bool | None = None,
-        token: str | None = None,
-        revision: str | None = None,
-        create_pr: bool = False,
-        max_shard_size: str = "50GB",
-        commit_description: str | None = None,
-        **kwargs,
-    ):
+    def push_to_hub(self, repo_id: str, **kwargs):
         """Upload the draft (safetensors, config, generation config with the tree shape, and its model card)."""
-        import tempfile
+        from .hub import push_draft_to_hub
 
-        from transformers.utils import hub
-
-        repo_id = hub.hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
-        with tempfile.TemporaryDirectory() as tmp_dir:
-            self.save_pretrained(tmp_dir, max_shard_size=max_shard_size)
-            from .model_card import write_model_card
-
-            write_model_card(self, tmp_dir, repo=repo_id)
-            return self._upload_modified_files(
-                tmp_dir,
-                repo_id,
-                files_timestamps={},
-                commit_message=commit_message or "Upload PosS draft",
-                token=token,
-                create_pr=create_pr,
-                revision=revision,
-                commit_description=commit_description,
-            )
+        return push_draft_to_hub(self, repo_id, **kwargs)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        model.generation_config = _load_tree_generation_config(pretrained_model_name_or_path, model.config, kwargs)
+        from .hub import load_tree_generation_config
+
+        model.generation_config = load_tree_generation_config(pretrained_model_name_or_path, model.config, kwargs)
         return model
 
     @classmethod
@@ -424,21 +398,6 @@ class PosSDraftModel(PosSPreTrainedModel):
         from .official import load_official
 
         return load_official(cls, repo_id_or_folder, target=target, positions_per_specialist=positions_per_specialist, **kwargs)
-
-
-def _load_tree_generation_config(name_or_path, config, kwargs) -> GenerationConfig:
-    """The saved generation config (tree shape) if there is one, else the tree defaults of ``config``."""
-    try:
-        loaded = GenerationConfig.from_pretrained(
-            name_or_path,
-            **{k: kwargs[k] for k in ("cache_dir", "local_files_only", "token", "revision") if k in kwargs},
-        )
-    except (OSError, ValueError):
-        loaded = GenerationConfig()
-    for key in TREE_GENERATION_KEYS:
-        if getattr(loaded, key, None) is None:
-            setattr(loaded, key, getattr(config, key))
-    return loaded
 
 
 __all__ = ["PosSDraftModel", "PosSDraftOutput", "PosSDraftCache", "PosSDecoderLayer", "PosSAttention"]

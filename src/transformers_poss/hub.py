@@ -1,8 +1,11 @@
-"""Model cards for PosS drafts (written by `save_pretrained`, so `push_to_hub` uploads them)."""
+"""Hub plumbing of PosS drafts: model cards, uploads with the card, the tree shape in the generation config."""
 
 from __future__ import annotations
 
 import os
+import tempfile
+
+from transformers import GenerationConfig
 
 CARD_TEMPLATE = """---
 library_name: transformers-poss
@@ -67,3 +70,51 @@ def write_model_card(model, save_directory: str, repo: str | None = None) -> str
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(render_model_card(model, repo=repo or os.path.basename(os.path.normpath(save_directory))))
     return path
+
+
+def push_draft_to_hub(
+    model,
+    repo_id: str,
+    commit_message: str | None = None,
+    private: bool | None = None,
+    token: str | None = None,
+    revision: str | None = None,
+    create_pr: bool = False,
+    max_shard_size: str = "50GB",
+    commit_description: str | None = None,
+    **kwargs,
+):
+    """Like `PushToHubMixin.push_to_hub`, but the uploaded README.md is the draft's own card, not a generic one."""
+    from transformers.utils import hub
+
+    repo_id = hub.hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        model.save_pretrained(tmp_dir, max_shard_size=max_shard_size)
+        write_model_card(model, tmp_dir, repo=repo_id)
+        return model._upload_modified_files(
+            tmp_dir,
+            repo_id,
+            files_timestamps={},
+            commit_message=commit_message or "Upload PosS draft",
+            token=token,
+            create_pr=create_pr,
+            revision=revision,
+            commit_description=commit_description,
+        )
+
+
+def load_tree_generation_config(name_or_path, config, kwargs) -> GenerationConfig:
+    """The saved generation config (tree shape) if there is one, else the tree defaults of ``config``."""
+    try:
+        loaded = GenerationConfig.from_pretrained(
+            name_or_path,
+            **{k: kwargs[k] for k in ("cache_dir", "local_files_only", "token", "revision") if k in kwargs},
+        )
+    except (OSError, ValueError):
+        loaded = GenerationConfig()
+    from .modeling_poss import TREE_GENERATION_KEYS
+
+    for key in TREE_GENERATION_KEYS:
+        if getattr(loaded, key, None) is None:
+            setattr(loaded, key, getattr(config, key))
+    return loaded
