@@ -50,3 +50,23 @@ def test_map_with_duplicates_is_refused():
         set_token_map(draft, torch.tensor([1, 1, 2]))
     with pytest.raises(ValueError, match="lie in"):
         set_token_map(draft, torch.tensor([1, 500]))
+
+
+@pytest.mark.integration
+def test_reduced_vocabulary_is_lossless_on_the_real_target():
+    from test_generation_real import TRAINED_DRAFT, _chat_ids, _draft, _load, _questions
+
+    from transformers_poss.vocab import special_token_ids
+
+    target, tokenizer = _load("smollm2-135m-instruct")
+    draft = _draft(target, TRAINED_DRAFT)
+    questions = _questions(4)
+    # map from the prompts' own tokens plus the most common ids: small, so many target tokens are outside it
+    counts = count_tokens([_chat_ids(tokenizer, q)[0] for q in questions], vocab_size=draft.config.vocab_size)
+    counts[:2048] += 1
+    set_token_map(draft, build_token_map(counts, 2048, always_include=special_token_ids(tokenizer)))
+    for question in questions:
+        ids = _chat_ids(tokenizer, question)
+        plain = target.generate(ids, max_new_tokens=32, do_sample=False)
+        spec = target.generate(ids, assistant_model=draft, max_new_tokens=32, do_sample=False)
+        assert torch.equal(plain, spec), question
