@@ -241,18 +241,7 @@ def _check_inputs(model, input_ids, generation_config, model_kwargs, synced_gpus
 def limit_tree_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     """The subtree of nodes at depth ``<= max_depth`` (parents stay before children, so it is still a tree)."""
     keep = tree.depths <= max_depth
-    if bool(keep.all()):
-        return tree
-    new_index = torch.cumsum(keep.long(), dim=0) - 1
-    parents = tree.parents[keep]
-    parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
-    return DraftTree(
-        tokens=tree.tokens[keep],
-        parents=parents,
-        depths=tree.depths[keep],
-        tree_mask=tree.tree_mask[keep][:, keep],
-        scores=None if tree.scores is None else tree.scores[keep],
-    )
+    return tree if bool(keep.all()) else tree.select(keep)
 
 
 class _Emitter:
