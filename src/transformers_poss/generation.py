@@ -24,24 +24,20 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
-from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from .kv_cache import (
-    UnsupportedCacheError,
-    check_cache_supported,
     compact_cache,
     finish_cache_after_tree,
     prepare_cache_for_tree,
     tree_verification_mask,
 )
 from .modeling_poss import PosSDraftModel
-from .quantize import is_batch_variant, linear_weight
+from .quantize import linear_weight
 from .tree import DraftTree
+from .validation import check_generation_config, check_inputs
 from .verification import AcceptanceStats, accept_tree
 
-
-SUPPORTED_ATTENTION = ("sdpa", "eager")
 DEFAULT_TREE_SHAPE = {"tree_depth": 6, "tree_top_k": 10, "tree_total_tokens": 60}
 AUTO_MAX_NODES = 64  # upper bound on verified nodes with tree_total_tokens="auto"
 
@@ -173,71 +169,6 @@ def _draft_device(draft) -> torch.device:
         return torch.device("cpu")
 
 
-def _check_generation_config(model, draft, generation_mode, generation_config) -> None:
-    """Clear errors for settings tree speculation cannot honour (called before any preparation)."""
-    if generation_mode != GenerationMode.ASSISTED_GENERATION:
-        raise ValueError(
-            f"A PosS draft supports greedy decoding and sampling only, but these settings select {generation_mode} "
-            f"(num_beams={generation_config.num_beams}). Use num_beams=1 or drop assistant_model."
-        )
-    if generation_config.num_return_sequences not in (None, 1):
-        raise ValueError(
-            f"num_return_sequences must be 1 with a PosS draft, got {generation_config.num_return_sequences}."
-        )
-    for name in ("prompt_lookup_num_tokens", "assistant_early_exit"):
-        if getattr(generation_config, name, None) is not None:
-            raise ValueError(f"`{name}` cannot be combined with a PosS draft (assistant_model).")
-    if getattr(generation_config, "use_mtp", False):
-        raise ValueError("`use_mtp` cannot be combined with a PosS draft (assistant_model).")
-    if generation_config.cache_implementation not in (None, "dynamic"):
-        raise UnsupportedCacheError(
-            f"Tree speculative decoding needs the default dynamic cache on the target; cache_implementation="
-            f"{generation_config.cache_implementation!r} (static, quantized or offloaded caches) is not supported."
-        )
-    if generation_config.output_attentions or generation_config.output_hidden_states:
-        raise ValueError("output_attentions / output_hidden_states are not supported with a PosS draft.")
-    attention = model.config._attn_implementation
-    if attention not in SUPPORTED_ATTENTION:
-        raise ValueError(
-            f"Tree verification needs an arbitrary 4D attention mask, which attn_implementation={attention!r} "
-            f"cannot take. Load the target with attn_implementation='sdpa' (or 'eager')."
-        )
-    if is_batch_variant(model):
-        raise ValueError(
-            "The target holds dynamically quantized int8 linears: their activation scale is shared by all tokens of a "
-            "forward, so verifying several tokens at once cannot reproduce the target's own greedy output and tree "
-            "speculation would not be lossless. Use the float target (fp32 / bf16); quantizing only the draft is fine."
-        )
-    draft.config.check_target(model.config)  # raises ValueError on fingerprint / vocab / hidden size mismatch
-    if getattr(draft, "_target_lm_head", None) is not model.get_output_embeddings():
-        try:
-            draft.attach_target(model)
-        except (TypeError, ValueError, RuntimeError) as error:
-            raise ValueError(f"The PosS draft could not be attached to the target: {error}") from error
-
-
-def _check_inputs(model, input_ids, generation_config, model_kwargs, synced_gpus) -> None:
-    """Clear errors for inputs tree speculation cannot honour (called once ``generate`` prepared them)."""
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"Tree speculative decoding supports batch size 1 only, got {input_ids.shape[0]}.")
-    if input_ids.shape[1] == 0 or model_kwargs.get("inputs_embeds") is not None:
-        raise ValueError("Tree speculative decoding needs `input_ids` (prompts given as inputs_embeds are unsupported).")
-    if model.config.is_encoder_decoder:
-        raise ValueError("Tree speculative decoding supports decoder-only targets only.")
-    if synced_gpus:
-        raise ValueError("synced_gpus is not supported with a PosS draft.")
-    max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if max_positions is not None and generation_config.max_length > max_positions:
-        raise ValueError(
-            f"The prompt ({input_ids.shape[1]} tokens) plus the tokens to generate reach max_length="
-            f"{generation_config.max_length}, beyond the target's max_position_embeddings={max_positions}."
-        )
-    cache = model_kwargs.get("cache")
-    check_cache_supported(cache)
-    if cache is not None and cache.get_seq_length() > 0:
-        raise ValueError("Tree speculative decoding cannot continue from a pre-filled cache; pass a fresh one.")
-
-
 def limit_tree_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     """The subtree of nodes at depth ``<= max_depth`` (parents stay before children, so it is still a tree)."""
     keep = tree.depths <= max_depth
@@ -322,7 +253,7 @@ def _tree_assisted_decoding(
     **model_kwargs,
 ):
     """The tree-verification loop: same inputs and outputs as `GenerationMixin._assisted_decoding`."""
-    _check_inputs(self, input_ids, generation_config, model_kwargs, synced_gpus)
+    check_inputs(self, input_ids, generation_config, model_kwargs, synced_gpus)
     candidate_generator = PosSCandidateGenerator(assistant_model, self)
     do_sample = bool(generation_config.do_sample)
     return_dict = generation_config.return_dict_in_generate
@@ -418,7 +349,7 @@ def _validate_generation_mode(self, generation_mode, generation_config, generati
     """`GenerationMixin._validate_generation_mode` with the checks of a PosS draft instead of the vocab comparison."""
     draft = generation_mode_kwargs.get("assistant_model")
     if is_tree_draft(draft):
-        _check_generation_config(self, draft, generation_mode, generation_config)
+        check_generation_config(self, draft, generation_mode, generation_config)
         generation_mode_kwargs = {k: v for k, v in generation_mode_kwargs.items() if k != "assistant_model"}
     return _ORIGINALS["_validate_generation_mode"](self, generation_mode, generation_config, generation_mode_kwargs)
 
