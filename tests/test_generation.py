@@ -502,3 +502,14 @@ def test_dispatched_target_with_offloaded_lm_head(tmp_path, monkeypatch):
     assert next(draft.parameters()).device.type == "cpu"
     monkeypatch.undo()  # the real proposer drafts through the offloaded lm_head too
     assert_same(target, draft, prompt, max_new_tokens=8, do_sample=False)
+
+
+def test_draft_stored_in_bf16_runs_in_the_targets_dtype():
+    from helpers import tiny_draft, tiny_llama
+
+    target = tiny_llama()
+    draft = tiny_draft(target).to(torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+    plain = target.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(target.generate(ids, assistant_model=draft, max_new_tokens=12, do_sample=False), plain)
+    assert draft.fc.weight.dtype == torch.float32

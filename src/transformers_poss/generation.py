@@ -94,6 +94,7 @@ class PosSCandidateGenerator(CandidateGenerator):
         self.device = _lm_head_device(target)
         if _draft_device(draft) != self.device:
             draft.to(self.device)
+        _match_dtype(draft, target)
         self._setup_budget()
         self.proposer = self._make_proposer()
 
@@ -160,6 +161,16 @@ def _lm_head_device(target) -> torch.device:
     if device is None:
         return linear_weight(head).device
     return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
+def _match_dtype(draft, target) -> None:
+    """Run the draft in the target's floating dtype (e.g. a draft stored in bf16 beside an fp32 target on a CPU)."""
+    dtype = getattr(target, "dtype", None)
+    params = [p for p in draft.parameters() if p.is_floating_point()]
+    if getattr(draft, "_poss_quantized", None):
+        return
+    if dtype is not None and dtype.is_floating_point and params and params[0].dtype != dtype:
+        draft.to(dtype)
 
 
 def _draft_device(draft) -> torch.device:
