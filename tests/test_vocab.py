@@ -70,3 +70,14 @@ def test_reduced_vocabulary_is_lossless_on_the_real_target():
         plain = target.generate(ids, max_new_tokens=32, do_sample=False)
         spec = target.generate(ids, assistant_model=draft, max_new_tokens=32, do_sample=False)
         assert torch.equal(plain, spec), question
+
+
+def test_tiny_vocabulary_map_keeps_greedy_output():
+    target = tiny_llama()
+    draft = tiny_draft(target)
+    set_token_map(draft, torch.tensor([0, 5, 9, 17, 33, 64, 90, 127]))  # most target tokens cannot be drafted
+    for seed in range(3):
+        ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(seed))
+        plain = target.generate(ids, max_new_tokens=20, do_sample=False)
+        spec = target.generate(ids, assistant_model=draft, max_new_tokens=20, do_sample=False)
+        assert torch.equal(plain, spec)
