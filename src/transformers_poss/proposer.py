@@ -67,7 +67,8 @@ class PosSProposer:
                 f"Tree shape needs depth >= 1, top_k >= 1 and total_tokens >= 2; got {depth}, {top_k}, {total_tokens}."
             )
         self.draft = draft
-        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        drafting_vocab = draft.config.draft_vocab_size or draft.config.vocab_size
+        self.depth, self.top_k, self.total_tokens = depth, min(top_k, drafting_vocab), total_tokens
         self.reset()
 
     def reset(self):
