@@ -108,6 +108,17 @@ def test_feature_shards_resume(tmp_path):
     assert len(FeatureShardDataset(tmp_path)) == 6
 
 
+def test_feature_shards_from_other_data_are_recomputed(tmp_path):
+    target = tiny_llama()
+    write_feature_shards(target, _sequences(2, seed=3), tmp_path, sequences_per_shard=3, progress=False)
+    grown = _sequences(6)
+    write_feature_shards(target, grown, tmp_path, sequences_per_shard=3, progress=False)
+    stored = FeatureShardDataset(tmp_path)
+    assert len(stored) == 6
+    for i in range(6):
+        assert torch.equal(stored[i]["input_ids"], torch.as_tensor(grown[i]["input_ids"]).long())
+
+
 def test_evaluation_reports_position_accuracy(tmp_path):
     target = tiny_llama()
     draft = tiny_draft(target, num_specialists=3, positions_per_specialist=1)

@@ -94,11 +94,26 @@ def _write_shard(path: Path, items: list[dict], features: list[torch.Tensor], dt
     os.replace(tmp, path)
 
 
+def _shard_matches(path: Path, items: list[dict]) -> bool:
+    """True when ``path`` exists and stores exactly these sequences (same tokens and assistant masks), so a resumed
+    run reuses it; a shard left from other data (a grown or reshuffled data set) is recomputed."""
+    if not path.exists():
+        return False
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            stored_ids, stored_mask = handle.get_tensor("input_ids"), handle.get_tensor("assistant_mask")
+    except Exception:  # a truncated or unreadable shard is recomputed
+        return False
+    ids = torch.cat([torch.as_tensor(i["input_ids"]) for i in items]).to(torch.int32)
+    mask = torch.cat([torch.as_tensor(i["assistant_mask"]) for i in items]).to(torch.uint8)
+    return torch.equal(stored_ids, ids) and torch.equal(stored_mask, mask)
+
+
 def write_feature_shards(target, dataset, output_dir, batch_size: int = 8, sequences_per_shard: int = 512,
                          dtype: torch.dtype = torch.bfloat16, device=None, progress: bool = True) -> dict:
     """Precompute target features of a tokenized dataset into ``output_dir/shard-XXXXX.safetensors``.
 
-    Resumable: finished shards (written atomically) are skipped. Sequences of a shard are run through the target in
+    Resumable: finished shards (written atomically) that hold the same sequences are skipped. Sequences of a shard are run through the target in
     length-sorted batches to limit padding.
 
     Args:
@@ -118,7 +133,7 @@ def write_feature_shards(target, dataset, output_dir, batch_size: int = 8, seque
     for shard_index, start in enumerate(range(0, total, sequences_per_shard)):
         path = output_dir / f"shard-{shard_index:05d}.safetensors"
         items = [dataset[i] for i in range(start, min(total, start + sequences_per_shard))]
-        if not path.exists():
+        if not _shard_matches(path, items):
             features = [None] * len(items)
             order = sorted(range(len(items)), key=lambda i: len(items[i]["input_ids"]))
             for b in range(0, len(order), batch_size):
