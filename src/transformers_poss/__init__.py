@@ -15,14 +15,17 @@ if "torch" not in _sys.modules:
 from transformers import AutoConfig, AutoModel  # noqa: E402
 
 from .configuration_poss import PosSDraftConfig
+from .exact_attention import register_exact_attention, use_exact_attention
 from .modeling_poss import PosSDraftCache, PosSDraftModel, PosSDraftOutput
 from .proposer import PosSProposer
+from .quantize import Int8Linear, quantize_int8
 from .tree import DraftTree
 
 __version__ = "0.1.0"
 
 AutoConfig.register(PosSDraftConfig.model_type, PosSDraftConfig, exist_ok=True)
 AutoModel.register(PosSDraftConfig, PosSDraftModel, exist_ok=True)
+register_exact_attention()  # attn_implementation="poss_exact"
 
 try:  # the generation hook lives in its own module
     from .generation import install_generation_hook as _install_generation_hook
@@ -31,4 +34,7 @@ except ImportError:  # pragma: no cover - only while the module is absent
 else:
     _install_generation_hook()
 
-__all__ = ["PosSDraftConfig", "PosSDraftModel", "PosSDraftOutput", "PosSDraftCache", "PosSProposer", "DraftTree"]
+__all__ = [
+    "PosSDraftConfig", "PosSDraftModel", "PosSDraftOutput", "PosSDraftCache", "PosSProposer", "DraftTree",
+    "Int8Linear", "quantize_int8", "use_exact_attention",
+]

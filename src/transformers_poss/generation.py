@@ -216,7 +216,7 @@ class _Emitter:
 
 
 def _mask_dtype(model) -> torch.dtype | None:
-    return None if model.config._attn_implementation == "sdpa" else model.dtype
+    return None if model.config._attn_implementation in ("sdpa", "poss_exact") else model.dtype
 
 
 def _verify(model, tree: DraftTree, cache, root_position: int, context_mask):

@@ -259,28 +259,30 @@ class PosSDraftModel(PosSPreTrainedModel):
         self._require_target()
         return self._target_embed(input_ids)
 
-    def _head_weight(self) -> torch.Tensor:
-        """lm_head weight used for drafting: the draft-vocabulary rows of the target's lm_head (gathered once)."""
+    def _head_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(weight, bias)`` of the lm_head used for drafting: the draft-vocabulary rows of the target's lm_head,
+        gathered once (a quantized head is also unpacked once, not at every draft step)."""
         self._require_target()
-        weight = linear_weight(self._target_lm_head)
-        if self.draft_to_target is None:
-            return weight
+        head = self._target_lm_head
+        probe = getattr(head, "weight", None)
+        key = (probe.device, probe.dtype) if isinstance(probe, torch.Tensor) else None
         cached = self._draft_head_weight
-        if cached is None or cached.device != weight.device or cached.dtype != weight.dtype:
-            cached = weight.detach()[self.draft_to_target.to(weight.device)]
-            object.__setattr__(self, "_draft_head_weight", cached)
-        return cached
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        weight, bias = linear_weight(head).detach(), linear_bias(head)
+        if self.draft_to_target is not None:
+            weight = weight[self.draft_to_target.to(weight.device)]
+            bias = None if bias is None else bias[self.draft_to_target.to(bias.device)]
+        object.__setattr__(self, "_draft_head_weight", (key, weight, bias))
+        return weight, bias
 
     def compute_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Draft logits `[..., V']` of `[..., H]` features (V' = draft vocabulary size when a token map is set)."""
-        head = self._target_lm_head
         if self.draft_to_target is None:
             self._require_target()
+            head = self._target_lm_head
             return head(features.to(self._compute_dtype(head)))
-        bias = linear_bias(head)
-        if bias is not None:
-            bias = bias[self.draft_to_target.to(bias.device)]
-        weight = self._head_weight()
+        weight, bias = self._head_weight()
         return F.linear(features.to(weight.dtype), weight, bias)
 
     def to_target_tokens(self, draft_ids: torch.LongTensor) -> torch.LongTensor:

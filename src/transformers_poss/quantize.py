@@ -1,19 +1,23 @@
-"""int8 weight quantization for the CPU.
+"""int8 weight quantization for the CPU, batch-invariant so tree speculation stays lossless.
 
-On CPUs a decode step is bound by reading weights; int8 weights with dynamically quantized activations (fbgemm /
-x86 kernels) roughly halve a target forward. torch's dynamic quantization serves the CPU directly (torchao's int8
-configs target GPUs first), so it is used here.
+On CPUs a decode step is bound by reading weights, so int8 weights make a target forward much cheaper. The scheme
+here ([`Int8Linear`]) keeps speculation lossless: weights are int8 with one scale per output channel, activations
+are quantized on the fly with one scale PER TOKEN (row), and the product is an exact int8 x int8 -> int32 matrix
+multiply (``torch._int_mm``). A token's output therefore depends only on that token, not on the other tokens of the
+forward: verifying a tree of n tokens gives each token the same linear outputs as decoding it alone.
 
-Caveat that matters for speculation: dynamic quantization scales the activations of ALL tokens of one forward with
-one scale, so a token's logits depend on the other tokens verified beside it. Verifying a tree (or a chain) of
-tokens in one forward therefore cannot reproduce the int8 model's own one-token-at-a-time greedy output, and
-``generate(assistant_model=draft)`` refuses a target quantized this way (see `is_batch_variant`). Quantizing the
-DRAFT is always fine: the draft only proposes, the target decides.
+A float attention kernel still changes its summation order with the number of queries (~1e-7 differences), and
+int8 rounding of the next layer's activations can magnify that into a different token; [`quantize_int8`] therefore
+also switches the model to ``attn_implementation="poss_exact"`` (float64 attention, see `exact_attention`). With
+both, a token's logits are bit-identical whether it is decoded alone or verified in a tree.
+
+torch's own dynamic quantization (``torch.ao.quantization.quantize_dynamic``) is NOT like that: it scales the
+activations of all tokens of a forward with one shared scale, so a token's logits depend on the tokens verified
+beside it. A target quantized that way is refused by ``generate(assistant_model=draft)`` (see `is_batch_variant`);
+quantizing only the DRAFT that way is fine, because the draft only proposes.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 from torch import nn
@@ -21,8 +25,51 @@ from torch import nn
 QUANTIZE_CHOICES = ("none", "int8")
 
 
+class Int8Linear(nn.Module):
+    """``y = x W^T + b`` with int8 ``W`` (per output channel scales) and per-token int8 activations.
+
+    Args:
+        weight (`torch.Tensor` of shape `[out, in]`): the float weight to quantize.
+        bias (`torch.Tensor` of shape `[out]`, *optional*): kept in float32.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        weight = weight.detach().float()
+        scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        self.out_features, self.in_features = weight.shape
+        # stored transposed ([in, out]) so the int8 matmul reads it as a plain row-major right operand
+        self.register_buffer("weight_int8_t", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8).t())
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        return cls(linear.weight, linear.bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float `[out, in]` weight this module computes with."""
+        return self.weight_int8_t.t().float() * self.weight_scale[:, None]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[..., in]` -> `[..., out]` in the input's dtype; rows never influence each other."""
+        shape, dtype = hidden.shape, hidden.dtype
+        rows = hidden.reshape(-1, self.in_features).float()
+        row_scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
+        quantized = torch.round(rows / row_scale).clamp(-127, 127).to(torch.int8)
+        out = torch._int_mm(quantized, self.weight_int8_t).float() * row_scale * self.weight_scale
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(dtype).reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
 def linear_weight(module: nn.Module) -> torch.Tensor:
-    """The float `[out, in]` weight of an ``nn.Linear`` or a dynamically quantized linear."""
+    """The float `[out, in]` weight of an ``nn.Linear``, an [`Int8Linear`] or a torch.ao dynamic quantized linear."""
+    if isinstance(module, Int8Linear):
+        return module.dequantized_weight()
     weight = module.weight
     if callable(weight):  # torch.ao dynamic quantized Linear: weight() returns a quantized tensor
         weight = weight()
@@ -41,36 +88,53 @@ def is_quantized(model: nn.Module) -> bool:
 
 
 def is_batch_variant(model: nn.Module) -> bool:
-    """True when ``model`` holds dynamically quantized linears (per-tensor activation scales shared by all tokens of a
-    forward), whose output for one token depends on the other tokens computed with it."""
+    """True when ``model`` holds torch.ao dynamically quantized int8 linears (one activation scale shared by all
+    tokens of a forward), whose output for one token depends on the other tokens computed with it. torch.ao's
+    float16-weight linears keep float activations and are not affected."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
-    return any(isinstance(m, DynamicQuantizedLinear) for m in model.modules())
+    return any(
+        isinstance(m, DynamicQuantizedLinear) and getattr(m._packed_params, "dtype", torch.qint8) == torch.qint8
+        for m in model.modules()
+    )
 
 
-def quantize_int8(model: nn.Module, include_lm_head: bool = True) -> nn.Module:
-    """Quantize every ``nn.Linear`` of ``model`` to int8 weights in place (CPU only); returns ``model``.
+def has_int8_activations(model: nn.Module) -> bool:
+    """True when ``model`` holds [`Int8Linear`] layers (activations rounded to int8 per token)."""
+    return any(isinstance(m, Int8Linear) for m in model.modules())
+
+
+def quantize_int8(model: nn.Module, include_lm_head: bool = True, exact_attention: bool | None = None) -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` by an [`Int8Linear`] in place (CPU only); returns ``model``.
+
+    Embeddings and norms stay in float32. A tied output head gets its own int8 copy (the embedding is unchanged).
 
     Args:
         include_lm_head: also quantize the output head (the biggest matrix of small models).
+        exact_attention: switch the model to ``attn_implementation="poss_exact"`` (see `exact_attention`), which a
+            target with int8 activations needs for lossless speculation. Default: yes for transformers models
+            other than PosS drafts (a draft only proposes, so it keeps its own attention).
     """
     if getattr(model, "_poss_quantized", None):
         return model
     device = next(model.parameters()).device
     if device.type != "cpu":
-        raise ValueError(f"int8 dynamic quantization runs on the CPU only; the model is on {device}. Use bf16 on GPUs.")
+        raise ValueError(f"int8 quantization here runs on the CPU only; the model is on {device}. Use bf16 on GPUs.")
     if model.dtype != torch.float32:
         model.float()
-    skip = set()
-    if not include_lm_head and hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None:
-        skip = {name for name, mod in model.named_modules() if mod is model.get_output_embeddings()}
-    targets = {name for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and name not in skip}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao.quantization deprecation notice
-        from torch.ao.quantization import quantize_dynamic
-
-        quantize_dynamic(model, targets, dtype=torch.qint8, inplace=True)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and (include_lm_head or child is not head):
+                setattr(parent, name, Int8Linear.from_linear(child))
     model._poss_quantized = "int8"
+    config = getattr(model, "config", None)
+    if exact_attention is None:
+        exact_attention = config is not None and getattr(config, "model_type", None) != "poss_draft"
+    if exact_attention:
+        from .exact_attention import use_exact_attention
+
+        use_exact_attention(model)
     return model
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 from transformers.generation.configuration_utils import GenerationMode
 
 from .kv_cache import UnsupportedCacheError, check_cache_supported
-from .quantize import is_batch_variant
+from .exact_attention import EXACT_ATTENTION
+from .quantize import has_int8_activations, is_batch_variant
 
-SUPPORTED_ATTENTION = ("sdpa", "eager")
+SUPPORTED_ATTENTION = ("sdpa", "eager", EXACT_ATTENTION)
 
 
 def check_generation_config(model, draft, generation_mode, generation_config) -> None:
@@ -46,9 +47,17 @@ def check_generation_config(model, draft, generation_mode, generation_config) ->
         )
     if is_batch_variant(model):
         raise ValueError(
-            "The target holds dynamically quantized int8 linears: their activation scale is shared by all tokens of a "
-            "forward, so verifying several tokens at once cannot reproduce the target's own greedy output and tree "
-            "speculation would not be lossless. Use the float target (fp32 / bf16); quantizing only the draft is fine."
+            "The target holds torch.ao dynamically quantized int8 linears: their activation scale is shared by all "
+            "tokens of a forward, so verifying several tokens at once cannot reproduce the target's own greedy output "
+            "and tree speculation would not be lossless. Quantize with `transformers_poss.quantize_int8(target)` "
+            "(per-token scales and exact attention) or use the float target; quantizing only the draft is fine."
+        )
+    if has_int8_activations(model) and attention != EXACT_ATTENTION:
+        raise ValueError(
+            f"The target has int8 activations but attn_implementation={attention!r}: float attention kernels change "
+            "their rounding with the number of verified tokens and int8 rounding magnifies it, so speculation would "
+            "not be lossless. Call `transformers_poss.exact_attention.use_exact_attention(target)` "
+            "(`quantize_int8` does it by default)."
         )
     draft.config.check_target(model.config)  # raises ValueError on fingerprint / vocab / hidden size mismatch
     if getattr(draft, "_target_lm_head", None) is not model.get_output_embeddings():

@@ -1,0 +1,59 @@
+"""``attn_implementation="poss_exact"``: attention whose result for a query does not depend on the other queries.
+
+Speculation is lossless only if the target's logits for a token are the same whether it is decoded alone or
+verified beside other tree nodes. Float attention kernels change their summation order with the number of queries
+and keys, which moves results by about 1e-7; a float32 model shrugs that off, but a model with int8 activations
+(see `quantize.Int8Linear`) rounds every activation and turns such a difference into a different token now and then.
+
+This attention computes scores, softmax and the weighted sum in float64 and rounds the result to the query's dtype,
+so two computations of the same query agree exactly unless a float64 error (~1e-16) straddles a float32 rounding
+boundary. Masks are the ones transformers builds for sdpa (boolean, with the same causal / sliding-window /
+padding rules) or a given 4D tree mask. Its cost is small next to the linears of a decode step on a CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EXACT_ATTENTION = "poss_exact"
+
+
+def exact_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """`[B, Hq, q, d]` queries, `[B, Hkv, k, d]` keys/values, a bool or additive `[B, 1|H, q, k]` mask (or None
+    for plain causal attention) -> `([B, q, Hq, d], None)`."""
+    if kwargs.get("softcap") is not None:
+        raise ValueError("attn_implementation='poss_exact' does not support attention logit soft-capping.")
+    groups = query.shape[1] // key.shape[1]
+    q = query.double()
+    k = key.double().repeat_interleave(groups, dim=1)
+    v = value.double().repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    lowest = torch.finfo(scores.dtype).min  # finite, so a fully masked (padding) row stays finite
+    if attention_mask is None:
+        q_len, k_len = scores.shape[-2:]
+        if q_len > 1:  # causal, aligned to the end of the keys
+            rows = torch.arange(q_len, device=scores.device)[:, None] + (k_len - q_len)
+            scores = scores.masked_fill(torch.arange(k_len, device=scores.device)[None, :] > rows, lowest)
+    elif attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask[..., : scores.shape[-1]], lowest)
+    else:
+        scores = scores + attention_mask[..., : scores.shape[-1]].double()
+    weights = torch.softmax(scores, dim=-1)
+    out = torch.matmul(weights, v).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_exact_attention() -> None:
+    """Register ``"poss_exact"`` with transformers' attention and mask interfaces (idempotent; done on import)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(EXACT_ATTENTION, exact_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(EXACT_ATTENTION, sdpa_mask)
+
+
+def use_exact_attention(model) -> None:
+    """Switch ``model`` (and its sub-configs) to ``attn_implementation="poss_exact"``."""
+    register_exact_attention()
+    model.set_attn_implementation(EXACT_ATTENTION)
