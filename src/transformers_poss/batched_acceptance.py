@@ -7,9 +7,11 @@ valid nodes and with the row's own sequence as the processors' prefix.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
+from transformers import LogitsProcessorList
 
 from .tree import BatchedTree
 from .verification import sequential_accept, _identity
@@ -71,8 +73,31 @@ def batched_greedy_accept(tree: BatchedTree, logits: torch.Tensor) -> BatchAccep
     return BatchAcceptance(index, tokens, counts, _has_valid_child(tree, best))
 
 
+# processor attributes that hold one entry per batch row (sliced to the row for row-by-row acceptance)
+BATCH_ATTRIBUTES = ("prompt_ignore_length",)
+
+
+def row_processors(logits_processor, batch_size: int) -> list:
+    """One processor list per row: batch-shaped state (e.g. the repetition penalty's per-row padding length) sliced
+    to that row, so a processor sees a `[1, L]` row exactly as it sees that row inside the batch."""
+    if logits_processor is None or len(logits_processor) == 0:
+        return [_identity] * batch_size
+    rows = []
+    for b in range(batch_size):
+        processors = []
+        for processor in logits_processor:
+            for name in BATCH_ATTRIBUTES:
+                value = getattr(processor, name, None)
+                if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] == batch_size:
+                    processor = copy.copy(processor)
+                    setattr(processor, name, value[b : b + 1])
+            processors.append(processor)
+        rows.append(LogitsProcessorList(processors))
+    return rows
+
+
 def per_row_accept(
-    tree: BatchedTree, logits: torch.Tensor, prefixes: list[torch.LongTensor], logits_processor, do_sample: bool
+    tree: BatchedTree, logits: torch.Tensor, prefixes: list[torch.LongTensor], processors: list, do_sample: bool
 ) -> BatchAcceptance:
     """Row-by-row `sequential_accept` (sampling, or greedy with processors).
 
@@ -80,12 +105,12 @@ def per_row_accept(
         tree: the verified trees; logits (`[B, n, vocab]`): raw target logits at every node.
         prefixes: per row, `[1, L_b]` the row's sequence up to and including its root (left padding included, as
             ``generate`` shows it to processors in a batch).
+        processors: per row, its logits processors (`row_processors`).
     """
-    processor = logits_processor if logits_processor is not None else _identity
     paths, emitted, proposed = [], [], []
     for b, prefix in enumerate(prefixes):
         row_tree, kept = tree.row(b)
-        accepted = sequential_accept(row_tree, logits[b, kept], prefix, processor, do_sample)
+        accepted = sequential_accept(row_tree, logits[b, kept], prefix, processors[b], do_sample)
         paths.append(kept[accepted.path.to(kept.device)])
         emitted.append(accepted.tokens)
         proposed.append(accepted.proposed_next)
@@ -99,8 +124,11 @@ def per_row_accept(
     return BatchAcceptance(index, tokens, counts, torch.tensor(proposed, device=logits.device))
 
 
-def accept_batch(tree: BatchedTree, logits, prefixes, logits_processor=None, do_sample=False) -> BatchAcceptance:
-    """Vectorised greedy when no processor applies, else row by row."""
-    if not do_sample and (logits_processor is None or len(logits_processor) == 0):
+def accept_batch(tree: BatchedTree, logits, prefixes, processors, do_sample=False) -> BatchAcceptance:
+    """Vectorised greedy when no processor applies (``processors`` None), else row by row.
+
+    ``prefixes``: a callable giving the rows' sequences (only built when needed); ``processors``: one per row.
+    """
+    if not do_sample and processors is None:
         return batched_greedy_accept(tree, logits.float())
-    return per_row_accept(tree, logits, prefixes(), logits_processor, do_sample)
+    return per_row_accept(tree, logits, prefixes(), processors, do_sample)

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .batched_acceptance import accept_batch
+from .batched_acceptance import accept_batch, row_processors
 from .batched_cache import (
     BatchLayout,
     batched_attention_mask,
@@ -123,6 +123,9 @@ def batched_tree_decoding(model, input_ids, logits_processor, stopping_criteria,
     pad = generation_config._pad_token_tensor
     rows = _Rows(input_ids, stopping_criteria, generation_config.max_length, 0 if pad is None else int(pad.item()))
     stats = AcceptanceStats()
+    per_row = None  # processors per original row; None: vectorised greedy acceptance
+    if do_sample or (logits_processor is not None and len(logits_processor) > 0):
+        per_row = row_processors(logits_processor, input_ids.shape[0])
     cache = full_layer_cache()
     proposer = make_batched_proposer(draft, depth, top_k, batch_total_tokens(total_tokens, top_k, input_ids.shape[0]))
 
@@ -169,7 +172,8 @@ def batched_tree_decoding(model, input_ids, logits_processor, stopping_criteria,
 
         clock = time.perf_counter()
         prefixes = lambda: [rows.prefix(r) for r in active.tolist()]  # noqa: E731
-        accepted = accept_batch(tree, logits.float(), prefixes, logits_processor, do_sample)
+        processors = None if per_row is None else [per_row[r] for r in active.tolist()]
+        accepted = accept_batch(tree, logits.float(), prefixes, processors, do_sample)
         for b in range(accepted.counts.shape[0]):
             stats.record(int(accepted.counts[b]) - 1, bool(accepted.proposed_next[b]))
         stats.add_time("acceptance", time.perf_counter() - clock)
