@@ -322,3 +322,33 @@ def test_layout_refuses_right_padding():
     layout = BatchLayout.from_attention_mask(torch.tensor([[0, 1, 1], [1, 1, 1]]))
     assert layout.root_positions.tolist() == [2, 3]
     assert batched_cache.full_layer_cache().layers == []
+
+
+# ---------------------------------------------------------------- real target (slow, marked integration)
+
+
+@pytest.mark.integration
+def test_smollm2_batches_of_four_identical_on_mt_bench():
+    """8 MT-Bench prompts in batches of 4 with the shipped draft: each row = its own plain greedy generate."""
+    from test_generation_real import TRAINED_DRAFT, _chat_ids, _draft, _load, _questions
+
+    target, tokenizer = _load("smollm2-135m-instruct")
+    draft = _draft(target, TRAINED_DRAFT)
+    prompts = [_chat_ids(tokenizer, text) for text in _questions(8)]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rounds = []
+    for start in (0, 4):
+        batch = prompts[start : start + 4]
+        ids, mask = left_pad(batch)
+        ids = torch.where(mask.bool(), ids, torch.full_like(ids, pad))
+        out = target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=32, do_sample=False,
+                              pad_token_id=pad, return_dict_in_generate=True)  # fmt: skip
+        for i, prompt in enumerate(batch):
+            expected = target.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=pad)
+            row = expected[0, prompt.shape[1] :].tolist()
+            got = out.sequences[i, ids.shape[1] :].tolist()
+            assert got[: len(row)] == row, f"prompt {start + i}"
+            assert all(t == pad for t in got[len(row) :])
+        rounds += out.acceptance.accepted_lengths
+    if TRAINED_DRAFT.exists():
+        assert max(rounds) > 1
