@@ -118,6 +118,7 @@ class BatchedPosSProposer:
             depth: tree depth this round (default: the configured depth); 0 gives root-only trees.
         """
         depth = self.depth if depth is None else min(depth, self.depth)
+        depth = min(depth, self.total_tokens - 1)  # a kept node is never deeper than the node budget
         if depth < 1:
             return BatchedTree.root_only(self.roots)
         draft, k = self.draft, self.top_k
