@@ -196,6 +196,59 @@ def test_batched_proposer_drafts_each_rows_own_tree():
         assert row.paths() == expected.paths()
 
 
+def test_batched_proposer_relayout_and_row_drop_keep_the_trees():
+    """Dropping shared holes and finished rows from the draft's caches changes no row's tree."""
+    target = tiny_llama_target()
+    draft = make_draft(target, depth=4, top_k=3, total=10)
+    ids, mask = left_pad(row_prompts([9, 3, 6]))
+    layout = BatchLayout.from_attention_mask(mask)
+    with torch.no_grad():
+        features = target.model(ids, attention_mask=mask).last_hidden_state
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, VOCAB, (3, 4), generator=gen)
+    block = (torch.randn(3, 4, 64, generator=gen), torch.tensor([1, 4, 2]))
+    proposers = [BatchedPosSProposer(draft, depth=4, top_k=3, total_tokens=10) for _ in range(2)]
+    for proposer in proposers:
+        proposer.append(torch.cat([ids[:, 1:], tokens[:, :1]], 1), features, layout.valid)
+        proposer.propose(layout.valid, layout.positions)  # the specialists cache the prompt
+    grown = layout.append(block[1], 4)
+    valid_new = torch.arange(4)[None] >= 4 - block[1][:, None]
+    for proposer in proposers:
+        proposer.append(tokens, block[0], valid_new)
+    expected = proposers[0].propose(grown.valid, grown.positions)
+    index = relayout_index(grown.valid, min_holes=1, min_fraction=0.0)
+    assert index is not None and index.shape[1] < grown.valid.shape[1]
+    proposers[1].relayout(index, grown.positions)
+    compact = grown.gather(index)
+    trees = proposers[1].propose(compact.valid, compact.positions)
+    for b in range(3):
+        assert trees.row(b)[0].paths() == expected.row(b)[0].paths()
+    rows = torch.tensor([0, 2])
+    proposers[1].select_rows(rows)
+    fewer = proposers[1].propose(compact.valid[rows], compact.positions[rows])
+    assert [fewer.row(i)[0].paths() for i in range(2)] == [expected.row(b)[0].paths() for b in (0, 2)]
+
+
+def test_trained_draft_with_finished_rows_and_relayouts(monkeypatch):
+    """The real batched proposer through row drops (EOS in one row) and re-layouts every time a hole is shared."""
+    target = tiny_gemma3_target()
+    prompts = row_prompts([7, 12, 4], seed=3)
+    draft = make_draft(target, depth=4, top_k=4, total=12)
+    train_draft_briefly(target, draft, prompts[1:2], steps=100)
+    eos = solo(target, prompts[0], max_new_tokens=24, eos_token_id=200)[5]
+    calls = []
+
+    def eager_relayout(valid, min_holes=8, min_fraction=0.125):
+        calls.append((valid.shape[0], relayout_index(valid, min_holes=1, min_fraction=0.0)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(batched_generation, "relayout_index", eager_relayout)
+    out = assert_rows_identical(target, draft, prompts, max_new_tokens=28, eos_token_id=eos)
+    assert any(index is not None for _, index in calls)
+    assert calls[0][0] == 3 and calls[-1][0] < 3  # row(s) finished early left the batch
+    assert max(out.acceptance.accepted_lengths) >= 3
+
+
 def test_tree_budget_shrinks_with_batch_size():
     assert [batch_total_tokens(60, 10, b) for b in (1, 2, 4, 8)] == [60, 30, 15, 10]
     assert [batch_total_tokens(10, 4, b) for b in (1, 2, 4, 8)] == [10, 5, 4, 4]

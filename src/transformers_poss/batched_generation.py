@@ -190,3 +190,26 @@ def batched_tree_decoding(model, input_ids, logits_processor, stopping_criteria,
         for b, r in enumerate(active.tolist()):
             finished[b] = rows.emit(r, tokens[b][accepted.width - counts[b] :])
     return rows.sequences(), stats
+
+
+def generate_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, draft,
+                   model_kwargs: dict):  # fmt: skip
+    """`generate` with a PosS draft and B > 1 rows: sequences `[B, T']`, or a `PosSGenerateOutput`."""
+    from .generation import (DEFAULT_TREE_SHAPE, PosSGenerateOutput, _draft_device, _lm_head_device, _match_dtype,
+                             tree_shape)
+
+    return_dict = generation_config.return_dict_in_generate
+    if streamer is not None:
+        raise ValueError("Streamers take one sequence: tree speculation with a streamer needs batch size 1.")
+    if return_dict and (generation_config.output_scores or generation_config.output_logits):
+        raise ValueError("output_scores / output_logits are supported with batch size 1 only for tree speculation.")
+    depth, top_k, total = tree_shape(draft)
+    if total == "auto":  # the measured budget is single-row; batches share the paper's default instead
+        total = DEFAULT_TREE_SHAPE["tree_total_tokens"]
+    device = _lm_head_device(model)
+    if _draft_device(draft) != device:
+        draft.to(device)
+    _match_dtype(draft, model)
+    sequences, stats = batched_tree_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                             draft, depth, top_k, total, model_kwargs)  # fmt: skip
+    return PosSGenerateOutput(sequences=sequences, acceptance=stats) if return_dict else sequences

@@ -265,9 +265,11 @@ def _tree_assisted_decoding(
 ):
     """The tree-verification loop: same inputs and outputs as `GenerationMixin._assisted_decoding`."""
     check_inputs(self, input_ids, generation_config, model_kwargs, synced_gpus)
-    if input_ids.shape[0] > 1:
-        return _batched_tree_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                      streamer, assistant_model, model_kwargs)  # fmt: skip
+    if input_ids.shape[0] > 1:  # B > 1 rows: the batched loop (B = 1 keeps this loop)
+        from .batched_generation import generate_batch
+
+        return generate_batch(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                              assistant_model, model_kwargs)  # fmt: skip
     candidate_generator = PosSCandidateGenerator(assistant_model, self)
     do_sample = bool(generation_config.do_sample)
     return_dict = generation_config.return_dict_in_generate
@@ -342,28 +344,6 @@ def _tree_assisted_decoding(
         cache=cache,
         acceptance=stats,
     )
-
-
-def _batched_tree_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer, draft,
-                           model_kwargs):  # fmt: skip
-    """B > 1 rows: the batched loop of `batched_generation` (tree shape per row: `batch_total_tokens`)."""
-    from .batched_generation import batched_tree_decoding
-
-    return_dict = generation_config.return_dict_in_generate
-    if streamer is not None:
-        raise ValueError("Streamers take one sequence: tree speculation with a streamer needs batch size 1.")
-    if return_dict and (generation_config.output_scores or generation_config.output_logits):
-        raise ValueError("output_scores / output_logits are supported with batch size 1 only for tree speculation.")
-    depth, top_k, total = tree_shape(draft)
-    if total == "auto":  # the measured budget is single-row; batches share the paper's default instead
-        total = DEFAULT_TREE_SHAPE["tree_total_tokens"]
-    device = _lm_head_device(self)
-    if _draft_device(draft) != device:
-        draft.to(device)
-    _match_dtype(draft, self)
-    sequences, stats = batched_tree_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                             draft, depth, top_k, total, model_kwargs)  # fmt: skip
-    return PosSGenerateOutput(sequences=sequences, acceptance=stats) if return_dict else sequences
 
 
 _ORIGINALS: dict[str, object] = {}
