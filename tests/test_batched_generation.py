@@ -17,7 +17,14 @@ from transformers_poss.batched_proposer import BatchedPosSProposer
 from transformers_poss.generation import PosSGenerateOutput
 from transformers_poss.proposer import PosSProposer
 from transformers_poss.tree import BatchedTree
-from test_generation import SMALL_VOCAB, VOCAB, exact_joint, make_draft, sampling_p_values, sampling_target  # noqa: F401
+from test_generation import (  # noqa: F401 - sampling_target is a fixture
+    SMALL_VOCAB,
+    VOCAB,
+    exact_joint,
+    make_draft,
+    sampling_p_values,
+    sampling_target,
+)
 from tree_testing import (
     OracleProposer,
     RandomProposer,

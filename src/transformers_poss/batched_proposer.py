@@ -153,7 +153,8 @@ class BatchedPosSProposer:
             tree_keys, tree_values = state.keys_values(specialist, layer, draft)
             mask = torch.cat([context_mask, state.ancestry[:, total - k :]], dim=2)[:, None]  # [B, 1, k, L + R]
             emb = draft.position_embeddings(hidden, node_positions)
-            out = layer(hidden, emb, torch.cat([ctx_keys, tree_keys], -2), torch.cat([ctx_values, tree_values], -2), mask)
+            keys, values = torch.cat([ctx_keys, tree_keys], -2), torch.cat([ctx_values, tree_values], -2)
+            out = layer(hidden, emb, keys, values, mask)  # [B, k, H]
 
             child_tokens, child_logprobs = self._top_k(out)  # [B, k, k]
             child_scores = frontier_scores[..., None] + child_logprobs
@@ -185,7 +186,8 @@ class BatchedPosSProposer:
         node_of = torch.full((batch, size), -1, dtype=torch.long, device=device)
         node_of.scatter_(1, kept, torch.arange(1, keep + 1, device=device).expand(batch, keep))
         parent_pool = pool_parents.gather(1, kept)
-        parents = torch.where(parent_pool < 0, torch.zeros_like(parent_pool), node_of.gather(1, parent_pool.clamp(min=0)))
+        parents = node_of.gather(1, parent_pool.clamp(min=0))
+        parents = torch.where(parent_pool < 0, torch.zeros_like(parent_pool), parents)
         parents = torch.cat([torch.full((batch, 1), -1, dtype=torch.long, device=device), parents], dim=1)
         tokens = torch.cat([self.roots[:, None].to(device), pool_tokens.gather(1, kept)], dim=1)
         depths = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=device), pool_depths[kept]], dim=1)
