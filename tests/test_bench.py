@@ -336,3 +336,23 @@ def test_tree_draft_method_and_sweep(model, prompts):
     shapes = report["sweep"]["shapes"]
     assert [(s["depth"], s["total_tokens"]) for s in shapes] == [(2, 4), (3, 8)]
     assert report["sweep"]["best"]["poss"]["speedup"] == max(s["speedup"] for s in shapes)
+
+
+def test_cli_bench_batch_sizes(tiny_target_dir, model, tmp_path, capsys):
+    from helpers import tiny_draft
+
+    tiny_draft(model).save_pretrained(tmp_path / "draft")
+    q = _questions(tmp_path / "q.jsonl", 3, "x")
+    out = tmp_path / "r.json"
+    status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "6",
+                       "--draft", f"mine={tmp_path / 'draft'}", "--tree-depth", "2", "--tree-total-tokens", "8", "--tree-top-k", "2",
+                       "--batch-size", "1", "2", "--no-progress", "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert status == 0 and report["settings"]["batch_sizes"] == [1, 2]
+    rows = {(e["batch_size"], e["method"]): e for e in report["batched"]["results"]}
+    assert set(rows) == {(1, "baseline"), (1, "mine"), (2, "baseline"), (2, "mine")}
+    assert rows[(2, "mine")]["batches"] == 2 and rows[(2, "mine")]["identical_rows"] == 3
+    assert rows[(1, "mine")]["tree_total_tokens_per_row"] == 8 and rows[(2, "mine")]["tree_total_tokens_per_row"] == 4
+    assert all(e["tokens_per_s"] > 0 for e in rows.values())
+    assert report["methods"]["mine"]["identical_to_baseline"] == 6
+    assert "| 2 | mine |" in capsys.readouterr().out

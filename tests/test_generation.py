@@ -406,8 +406,15 @@ def test_clear_errors_for_unsupported_settings(llama_and_draft, kwargs, message)
 def test_clear_errors_for_unsupported_inputs(llama_and_draft, monkeypatch):
     target, draft = llama_and_draft
     prompt = prompts(1)[0]
-    with pytest.raises(ValueError, match="batch size 1"):
-        target.generate(prompt.repeat(2, 1), assistant_model=draft, max_new_tokens=4)
+    class Sink(BaseStreamer):
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
+    with pytest.raises(ValueError, match="batch size 1"):  # batches work (test_batched_generation), not with streamers
+        target.generate(prompt.repeat(2, 1), assistant_model=draft, max_new_tokens=4, streamer=Sink())
 
     class QuantizedLikeCache(DynamicCache):
         pass

@@ -56,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tree.add_argument("--sweep-depths", type=_int_list, default=[3, 4, 6], metavar="D1,D2,...")
     tree.add_argument("--sweep-total-tokens", type=_int_list, default=[8, 16, 32, 60], metavar="N1,N2,...")
 
+    batch = parser.add_argument_group("batched generation")
+    batch.add_argument("--batch-size", type=int, nargs="+", default=None, metavar="B",
+                       help="measure plain batched generate vs batched tree speculation at these batch sizes "
+                            "(e.g. 1 2 4 8): tokens/s over the batch; the tree budget per row shrinks with B")
+
     other = parser.add_argument_group("other methods and runtime")
     other.add_argument("--no-prompt-lookup", action="store_true", help="skip transformers' prompt lookup decoding")
     other.add_argument("--prompt-lookup-tokens", type=int, default=10)
@@ -174,9 +179,44 @@ def run(args) -> int:
     if not questions:
         raise SystemExit("no questions found in " + " ".join(args.questions))
     prompts = make_prompts(questions, tokenizer, chat, device)
+    if args.batch_size:
+        return run_batch_sizes(args, target, tokenizer, prompts, chat, device)
     methods = build_methods(args, target)
     settings = GenerationSettings(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
     records = run_methods(prompts, methods, settings, seed=args.seed, warmup=args.warmup, device=device,
                           progress=not args.no_progress)
     report = build_report(records, methods, settings_record(args, chat, target), environment(device))
     return finish(report, args.output, plots=not args.no_plots, greedy=settings.greedy)
+
+
+def run_batch_sizes(args, target, tokenizer, prompts, chat: bool, device) -> int:
+    """`poss bench --batch-size ...`: plain batched generate vs each draft's batched speculation."""
+    import json
+    import sys
+
+    from .bench_batched import markdown, methods_summary, run_batched
+
+    if any(size < 1 for size in args.batch_size):
+        raise SystemExit("--batch-size takes positive integers")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    drafts = {label: load_draft(source, target) for label, source in _labelled(args.draft)}
+    settings = GenerationSettings(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
+    shape = {"depth": args.tree_depth, "top_k": args.tree_top_k, "total_tokens": args.tree_total_tokens}
+    batched = run_batched(target, prompts, drafts, settings, args.batch_size, 0 if pad is None else pad, shape,
+                          seed=args.seed, warmup=args.warmup > 0)
+    record = settings_record(args, chat, target)
+    record.update(batch_sizes=args.batch_size, prompt_lookup=None,
+                  method_order="per batch: baseline then drafts, order reversed every other batch")
+    report = {"environment": environment(device), "settings": record, "batched": batched,
+              "methods": methods_summary(batched)}
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(report, indent=2, default=str))
+    print(markdown(batched))
+    mismatched = [e for e in batched["results"] if not e["identical_to_baseline"]]
+    if settings.greedy and mismatched:
+        for e in mismatched:
+            print(f"GREEDY OUTPUT MISMATCH: {e['method']} at batch size {e['batch_size']}: "
+                  f"{e['rows'] - e['identical_rows']} of {e['rows']} rows differ from the baseline", file=sys.stderr)
+        return 1
+    return 0

@@ -265,6 +265,11 @@ def _tree_assisted_decoding(
 ):
     """The tree-verification loop: same inputs and outputs as `GenerationMixin._assisted_decoding`."""
     check_inputs(self, input_ids, generation_config, model_kwargs, synced_gpus)
+    if input_ids.shape[0] > 1:  # B > 1 rows: the batched loop (B = 1 keeps this loop)
+        from .batched_generation import generate_batch
+
+        return generate_batch(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                              assistant_model, model_kwargs)  # fmt: skip
     candidate_generator = PosSCandidateGenerator(assistant_model, self)
     do_sample = bool(generation_config.do_sample)
     return_dict = generation_config.return_dict_in_generate

@@ -137,3 +137,78 @@ def tree_attention_mask(
         return full
     out = torch.zeros(full.shape, dtype=dtype, device=full.device)
     return out.masked_fill_(~full, torch.finfo(dtype).min)
+
+
+def batched_ancestor_mask(parents: torch.LongTensor) -> torch.BoolTensor:
+    """`ancestor_mask_from_parents` for a batch of trees: `[B, n]` parents (``-1`` for roots) -> `[B, n, n]`."""
+    batch, n = parents.shape
+    device = parents.device
+    reach = torch.eye(n, dtype=torch.bool, device=device).expand(batch, n, n).clone()
+    rows, cols = (parents >= 0).nonzero(as_tuple=True)
+    reach[rows, cols, parents[rows, cols]] = True
+    length = 1
+    while length < n:
+        nxt = torch.bmm(reach.float(), reach.float()) > 0
+        if torch.equal(nxt, reach):
+            break
+        reach = nxt
+        length *= 2
+    return reach
+
+
+@dataclass
+class BatchedTree:
+    """One draft tree per row, padded to a common node count ``n``; padded nodes have ``valid`` False.
+
+    Attributes:
+        tokens, parents, depths (`torch.LongTensor` of shape `[B, n]`): as in `DraftTree`, per row (root first,
+            ``parents[b, i] < i``).
+        tree_mask (`torch.BoolTensor` of shape `[B, n, n]`): ancestor-or-self relation of each row's tree.
+        valid (`torch.BoolTensor` of shape `[B, n]`): nodes that may be accepted (closed under parents).
+    """
+
+    tokens: torch.LongTensor
+    parents: torch.LongTensor
+    depths: torch.LongTensor
+    tree_mask: torch.BoolTensor
+    valid: torch.BoolTensor
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def row(self, b: int) -> tuple[DraftTree, torch.LongTensor]:
+        """Row ``b`` as a `DraftTree` of its valid nodes, with their indices `[n_b]` in the padded row."""
+        keep = self.valid[b].nonzero().flatten()
+        full = DraftTree(self.tokens[b], self.parents[b], self.depths[b], self.tree_mask[b])
+        return full.select(keep), keep
+
+    def limit_depth(self, max_depths: torch.LongTensor) -> "BatchedTree":
+        """Invalidate the nodes of row ``b`` deeper than ``max_depths[b]`` (`[B]`)."""
+        valid = self.valid & (self.depths <= max_depths[:, None])
+        return BatchedTree(self.tokens, self.parents, self.depths, self.tree_mask, valid)
+
+    @classmethod
+    def root_only(cls, roots: torch.LongTensor) -> "BatchedTree":
+        """Trees of just the roots `[B]`: verifying them is a plain decoding step."""
+        batch, device = roots.shape[0], roots.device
+        zeros = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        ones = torch.ones(batch, 1, 1, dtype=torch.bool, device=device)
+        return cls(roots[:, None].long(), zeros - 1, zeros, ones, ones[:, 0])
+
+    @classmethod
+    def pack(cls, trees: list[DraftTree]) -> "BatchedTree":
+        """Pad per-row `DraftTree`s to one node count (padded nodes: children of the root, never valid)."""
+        n = max(tree.num_nodes for tree in trees)
+        device = trees[0].tokens.device
+        tokens = torch.zeros(len(trees), n, dtype=torch.long, device=device)
+        parents = torch.zeros_like(tokens)
+        depths = torch.ones_like(tokens)
+        valid = torch.zeros(len(trees), n, dtype=torch.bool, device=device)
+        for b, tree in enumerate(trees):
+            size = tree.num_nodes
+            tokens[b, :size], parents[b, :size], depths[b, :size] = tree.tokens, tree.parents, tree.depths
+            valid[b, :size] = True
+        parents[:, 0] = -1
+        depths[:, 0] = 0
+        return cls(tokens, parents, depths, batched_ancestor_mask(parents), valid)

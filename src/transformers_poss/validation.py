@@ -69,9 +69,7 @@ def check_generation_config(model, draft, generation_mode, generation_config) ->
 
 def check_inputs(model, input_ids, generation_config, model_kwargs, synced_gpus) -> None:
     """Clear errors for inputs tree speculation cannot honour (called once ``generate`` prepared them)."""
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"Tree speculative decoding supports batch size 1 only, got {input_ids.shape[0]}.")
-    if input_ids.shape[1] == 0 or model_kwargs.get("inputs_embeds") is not None:
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0 or model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("Tree speculative decoding needs `input_ids` (prompts given as inputs_embeds are unsupported).")
     if model.config.is_encoder_decoder:
         raise ValueError("Tree speculative decoding supports decoder-only targets only.")
