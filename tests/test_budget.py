@@ -116,18 +116,3 @@ def test_rounds_are_recorded_for_replay():
     profile = _profile({1: 1.0, 64: 1.0})
     replay = simulate_shape(stats.rounds, profile, depth=6, total_tokens=60)
     assert abs(replay["mean_acceptance_length"] - stats.mean_acceptance_length) < 1e-9
-
-
-def test_int8_dynamic_target_is_refused_but_int8_draft_is_lossless():
-    import pytest
-
-    from transformers_poss.quantize import is_batch_variant, quantize_int8
-
-    target = tiny_llama()
-    draft = tiny_draft(target)
-    quantize_int8(draft)
-    assert is_batch_variant(draft) and not is_batch_variant(target)
-    _generate(target, draft.attach_target(target))  # lossless with an int8 draft
-    quantize_int8(target)
-    with pytest.raises(ValueError, match="not be lossless"):
-        target.generate(torch.tensor([[1, 2, 3]]), assistant_model=draft.attach_target(target), max_new_tokens=4)

@@ -98,3 +98,18 @@ def test_gemma3_greedy_identical_past_its_sliding_window():
     expected = target.generate(ids, max_new_tokens=24, do_sample=False)
     out = target.generate(ids, assistant_model=draft, max_new_tokens=24, do_sample=False, return_dict_in_generate=True)
     assert out.sequences.tolist() == expected.tolist()
+
+
+def test_smollm2_int8_greedy_identical_on_mt_bench():
+    """The CPU fast path: int8 target (per-token scales, exact attention) and int8 draft, identical to the int8
+    target's own plain greedy output."""
+    from transformers_poss import quantize_int8
+
+    target, tokenizer = _load("smollm2-135m-instruct")  # a fresh copy: quantized in place
+    quantize_int8(target)
+    draft = quantize_int8(_draft(target, TRAINED_DRAFT))
+    for text in _questions(6):
+        ids = _chat_ids(tokenizer, text)
+        expected = target.generate(ids, max_new_tokens=48, do_sample=False)
+        out = target.generate(ids, assistant_model=draft, max_new_tokens=48, do_sample=False)
+        assert out.tolist() == expected.tolist(), text

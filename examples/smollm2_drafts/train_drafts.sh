@@ -4,8 +4,10 @@
 # Every step resumes, so the script can be stopped and run again across sittings.
 #
 #   python examples/smollm2_drafts/make_data.py --prompts 6000 --minutes 120   # (repeat until enough data)
-#   bash examples/smollm2_drafts/train_drafts.sh [KIND ...]                     # default: all five
+#   bash examples/smollm2_drafts/train_drafts.sh [--train-only | --bench-only] [KIND ...]   # default: all five
 set -euo pipefail
+MODE=all
+case "${1:-}" in --train-only) MODE=train; shift ;; --bench-only) MODE=bench; shift ;; esac
 cd "$(dirname "$0")/../.."
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 RECIPE=examples/smollm2_drafts/recipe.yaml
@@ -20,12 +22,14 @@ declare -A SHAPE=(
 if [ $# -gt 0 ]; then KINDS=("$@"); else KINDS=(eagle2 hass poss1 poss2 poss3); fi
 
 for kind in "${KINDS[@]}"; do
+  [ "$MODE" = bench ] && break
   read -r S N <<<"${SHAPE[$kind]}"
   echo "== $kind: S=$S N=$N"
   poss train --config "$RECIPE" --set output_dir="runs/smollm2-$kind" \
     --set draft.num_specialists="$S" --set draft.positions_per_specialist="$N"
 done
 
+[ "$MODE" = train ] && exit 0
 DRAFTS=()
 for kind in "${KINDS[@]}"; do DRAFTS+=(--draft "$kind=runs/smollm2-$kind/final"); done
 poss bench --target smollm2-135m-instruct "${DRAFTS[@]}" \

@@ -95,6 +95,7 @@ def profile_key(target, draft=None, top_k: int | None = None) -> str:
         str(torch.get_num_threads()),
         torch.__version__,
         type(head).__name__,
+        str(config._attn_implementation),
     ]
     if draft is not None:
         parts += [str(draft.config.num_specialists), str(draft.config.draft_vocab_size), str(top_k),
@@ -142,7 +143,7 @@ def measure_draft_seconds(draft, top_k: int, context_length: int = 128, repeats:
     """(context step, further step) drafting times: trees of depth 1 and 3 after a 2-pair context update."""
     from .proposer import PosSProposer
 
-    device = draft.fc.weight.device if not callable(draft.fc.weight) else torch.device("cpu")
+    device = draft.fc.weight.device if isinstance(getattr(draft.fc, "weight", None), torch.Tensor) else torch.device("cpu")
     hidden = draft.config.hidden_size
     generator = torch.Generator().manual_seed(0)
 

@@ -300,9 +300,9 @@ class PosSDraftModel(PosSPreTrainedModel):
 
     @staticmethod
     def _compute_dtype(linear: nn.Module) -> torch.dtype:
-        """Input dtype of a linear layer (float32 for a dynamically quantized one)."""
-        weight = linear.weight
-        return torch.float32 if callable(weight) else weight.dtype
+        """Input dtype of a linear layer (float32 for a quantized one)."""
+        weight = getattr(linear, "weight", None)
+        return weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
 
     def position_embeddings(self, hidden_states: torch.Tensor, position_ids: torch.LongTensor):
         """RoPE (cos, sin) for `[B, T]` position ids, each `[B, T, head_dim]`."""
