@@ -69,9 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     other.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     other.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     other.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    other.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+    other.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager", "poss_exact"])
     other.add_argument("--quantize", choices=["none", "int8"], default="none",
-                       help="int8: dynamic int8 weights for the target (and assistants), CPU only; every method, "
+                       help="int8: int8 weights with per-token int8 activations and exact attention for the target, "
+                            "drafts and assistants (CPU only); every method, "
                             "the baseline included, then runs on the same quantized target")
 
 
@@ -128,7 +129,7 @@ def build_methods(args, target) -> list:
         assistant = quantized(assistant, args.quantize)
         methods.append(assistant_method(f"assistant:{label}", target, assistant, source))
     for label, source in _labelled(args.draft):
-        draft = load_draft(source, target)
+        draft = quantized(load_draft(source, target), args.quantize)  # int8 drafts keep their own attention
         if not args.sweep:
             methods.append(draft_method(label, target, draft, source, args.tree_depth, args.tree_top_k,
                                         args.tree_total_tokens))
@@ -146,7 +147,7 @@ def settings_record(args, chat: bool, target) -> dict:
     """The report's ``settings`` section."""
     return {
         "target": args.target, "target_class": type(target).__name__, "dtype": args.dtype,
-        "attn_implementation": args.attn_implementation, "quantize": args.quantize,
+        "attn_implementation": target.config._attn_implementation, "quantize": args.quantize,
         "drafts": dict(_labelled(args.draft)),
         "assistants": dict(_labelled(args.assistant)), "questions": [str(p) for p in args.questions],
         "num_prompts": args.num_prompts, "selection": args.selection, "max_new_tokens": args.max_new_tokens,
