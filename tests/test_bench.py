@@ -8,7 +8,7 @@ import torch
 from helpers import tiny_llama
 
 from transformers_poss import bench_cli, cli
-from transformers_poss.bench import build_report, finish, load_questions, mismatch_report, run_methods
+from transformers_poss.bench import build_report, finish, load_questions, mismatch_report, render, run_methods
 from transformers_poss.bench_methods import (GenerationSettings, Method, MethodResult, Prompt, baseline_method,
                                              prompt_lookup_method, record_candidate_rounds, result_from_generate)
 from transformers_poss.bench_metrics import PromptRecord, first_mismatch, position_acceptance, time_split
@@ -310,15 +310,17 @@ def test_draft_labels():
 
 
 # ------------------------------------------------------------------------------------------ PosS tree speculation
-def test_tree_draft_method_and_sweep(model, prompts):
+def test_tree_draft_method_and_sweep(model, prompts, monkeypatch, tmp_path):
     from helpers import tiny_draft
+
+    monkeypatch.setenv("POSS_CACHE", str(tmp_path))  # the automatic budget measures and caches a cost profile
 
     from transformers_poss.bench_methods import draft_method
 
     draft = tiny_draft(model)
     own_shape = (draft.generation_config.tree_depth, draft.generation_config.tree_total_tokens)
     methods = [baseline_method(model), draft_method("poss", model, draft, "tiny", depth=3, top_k=3, total_tokens=6)]
-    for depth, total in ((2, 4), (3, 8)):
+    for depth, total in ((2, 4), (3, 8), (3, "auto")):
         method = draft_method(f"poss[d={depth},n={total}]", model, draft, "tiny", depth, 2, total)
         method.info.update({"sweep": True, "draft": "poss"})
         methods.append(method)
@@ -334,8 +336,14 @@ def test_tree_draft_method_and_sweep(model, prompts):
     assert {"drafting", "verification", "other"} <= set(entry["time_split"]["seconds"])
     assert (draft.generation_config.tree_depth, draft.generation_config.tree_total_tokens) == own_shape
     shapes = report["sweep"]["shapes"]
-    assert [(s["depth"], s["total_tokens"]) for s in shapes] == [(2, 4), (3, 8)]
-    assert report["sweep"]["best"]["poss"]["speedup"] == max(s["speedup"] for s in shapes)
+    assert [(s["depth"], s["total_tokens"]) for s in shapes] == [(2, 4), (3, 8), (3, "auto")]
+    fixed = [s for s in shapes if s["total_tokens"] != "auto"]
+    assert report["sweep"]["best"]["poss"]["speedup"] == max(s["speedup"] for s in fixed)
+    auto = report["sweep"]["auto_vs_best"]["poss"]
+    assert auto["auto"] == "poss[d=3,n=auto]"
+    assert auto["ratio"] == auto["auto_speedup"] / max(s["speedup"] for s in fixed)
+    assert "auto" in render(report)
+    assert bench_cli._total_tokens_list("8,auto,16") == [8, "auto", 16]
 
 
 def test_cli_bench_batch_sizes(tiny_target_dir, model, tmp_path, capsys):

@@ -170,11 +170,21 @@ def sweep_summary(methods: dict) -> dict:
                      "total_tokens": tree["total_tokens"], "top_k": tree["top_k"],
                      "speedup": entry["speedup"]["aggregate"], "speedup_median": entry["speedup"]["median"],
                      "mean_acceptance_length": entry["mean_acceptance_length"]})
-    best = {}
+    best, auto = {}, {}
     for row in rows:
-        if row["speedup"] is not None and (row["draft"] not in best or row["speedup"] > best[row["draft"]]["speedup"]):
-            best[row["draft"]] = row
-    return {"shapes": rows, "best": best}
+        if row["speedup"] is None:
+            continue
+        chosen = auto if row["total_tokens"] == "auto" else best
+        if row["draft"] not in chosen or row["speedup"] > chosen[row["draft"]]["speedup"]:
+            chosen[row["draft"]] = row
+    summary = {"shapes": rows, "best": best}
+    if auto:  # the automatic budget (its best depth) against the best fixed shape of the same draft
+        summary["auto_vs_best"] = {
+            draft: {"auto": row["method"], "auto_speedup": row["speedup"], "best": best[draft]["method"],
+                    "best_speedup": best[draft]["speedup"], "ratio": row["speedup"] / best[draft]["speedup"]}
+            for draft, row in auto.items() if draft in best
+        }
+    return summary
 
 
 def mismatch_report(report: dict) -> list[str]:
@@ -197,6 +207,9 @@ def render(report: dict) -> str:
         parts += ["", "| draft | depth | total tokens | speed-up | mean acc. length |", "|---|---:|---:|---:|---:|"]
         parts += [f"| {r['draft']} | {r['depth']} | {r['total_tokens']} | {r['speedup']:.2f}x "
                   f"| {r['mean_acceptance_length']} |" for r in report["sweep"]["shapes"]]
+        for draft, row in report["sweep"].get("auto_vs_best", {}).items():
+            parts.append(f"\n{draft}: auto {row['auto_speedup']:.2f}x vs best fixed shape {row['best']} "
+                         f"{row['best_speedup']:.2f}x (ratio {row['ratio']:.2f})")
     parts += ["", f"Acceptance: {ACCEPTANCE_CONVENTION}."]
     return "\n".join(parts)
 

@@ -21,6 +21,20 @@ def _int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
+def _total_tokens(text: str) -> int | str:
+    """A node count, or ``auto`` (the machine's speculation budget picks the nodes every round)."""
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tree nodes or 'auto', got {text!r}") from None
+
+
+def _total_tokens_list(text: str) -> list[int | str]:
+    return [_total_tokens(part) for part in text.split(",") if part.strip()]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the `poss bench` options."""
     io = parser.add_argument_group("what to measure")
@@ -51,10 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tree = parser.add_argument_group("tree shape (defaults: each draft's generation_config)")
     tree.add_argument("--tree-depth", type=int, default=None)
     tree.add_argument("--tree-top-k", type=int, default=None)
-    tree.add_argument("--tree-total-tokens", type=int, default=None, help="nodes verified per round, root included")
+    tree.add_argument("--tree-total-tokens", type=_total_tokens, default=None,
+                      help="nodes verified per round, root included, or 'auto' (chosen per round from the measured "
+                           "cost of verification on this machine)")
     tree.add_argument("--sweep", action="store_true", help="run every draft at every depth x total-tokens shape")
     tree.add_argument("--sweep-depths", type=_int_list, default=[3, 4, 6], metavar="D1,D2,...")
-    tree.add_argument("--sweep-total-tokens", type=_int_list, default=[8, 16, 32, 60], metavar="N1,N2,...")
+    tree.add_argument("--sweep-total-tokens", type=_total_tokens_list, default=[8, 16, 32, 60], metavar="N1,N2,...",
+                      help="node counts to sweep; 'auto' adds the automatic budget at each depth, and the summary "
+                           "then compares it with the best fixed shape")
 
     batch = parser.add_argument_group("batched generation")
     batch.add_argument("--batch-size", type=int, nargs="+", default=None, metavar="B",
