@@ -271,24 +271,24 @@ def _profile(curve, draft=0.0):
 
 
 def _record(path):
-    """Root; depth 1: A (node 1, p .5), B (node 2, p .45); A's children: node 3 (.2), node 4 (.1);
-    B's child: node 5 (.44, the best depth-2 node, but not on the top-1 path); node 3's child: node 6 (.15).
-    Nodes of one depth are not in score order (node 4 comes after the better node 3 only by accident)."""
-    probs = torch.tensor([1.0, 0.5, 0.45, 0.2, 0.1, 0.44, 0.15])
-    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3])
+    """Root; depth 1: A (node 1, p .5), B (node 2, p .45); A's children: node 3 (.1), node 4 (.2, the better one but
+    later in node order); B's child: node 5 (.44, the best depth-2 node, but not on the top-1 path); node 4's child:
+    node 6 (.15)."""
+    probs = torch.tensor([1.0, 0.5, 0.45, 0.1, 0.2, 0.44, 0.15])
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 4])
     depths = torch.tensor([0, 1, 1, 2, 2, 2, 3])
     return RoundRecord(depths=depths, scores=probs.log(), path=torch.tensor(path), parents=parents)
 
 
 def test_chain_replay_counts_only_the_top_1_path():
-    record = _record([0, 1, 3, 6])
-    assert best_children(record.parents, record.scores).tolist() == [1, 3, 5, 6, 7, 7, 7]
-    assert chain_nodes(record, 5).tolist() == [1, 3, 6]  # the walk ends where the tree has no child
+    record = _record([0, 1, 4, 6])
+    assert best_children(record.parents, record.scores).tolist() == [1, 4, 5, 7, 6, 7, 7]
+    assert chain_nodes(record, 5).tolist() == [1, 4, 6]  # the walk ends where the tree has no child
     assert truncated_accepted(record, depth=3, total_tokens=4, top_k=1) == 3
     assert truncated_accepted(record, depth=2, total_tokens=3, top_k=1) == 2
     assert truncated_accepted(record, depth=3, total_tokens=2, top_k=1) == 1  # a chain of min(depth, total - 1)
     # the accepted path leaves the top-1 path: the chain keeps only the shared prefix, the tree keeps more
-    off = _record([0, 1, 4])
+    off = _record([0, 1, 3])
     assert truncated_accepted(off, depth=3, total_tokens=4, top_k=1) == 1
     assert truncated_accepted(off, depth=3, total_tokens=7) == 2
     # the best depth-2 node overall (node 5, under B) is not on the chain
@@ -307,7 +307,7 @@ def test_chain_replay_breaks_ties_by_node_order_and_needs_parents():
 
 
 def test_simulate_chain_shape():
-    records = [_record([0, 1, 3, 6]), _record([0, 2, 5])]
+    records = [_record([0, 1, 4, 6]), _record([0, 2, 5])]
     profile = _profile({1: 1.0, 3: 2.0, 4: 3.0, 7: 4.0})
     chain = simulate_shape(records, profile, depth=3, total_tokens=60, top_k=1)
     assert chain["kind"] == "chain" and chain["top_k"] == 1 and chain["total_tokens"] == 4 and chain["depth"] == 3
