@@ -351,3 +351,58 @@ def test_generation_monkeypatch_target_exists():
     assert generation.chain_attention_mask(3, None) is None
     mask = generation.chain_attention_mask(2, torch.tensor([False, True, True]))
     assert mask.tolist() == [[0, 1, 1, 1, 1]]
+
+
+# ---------------------------------------------------------------- poss tune and poss bench --sweep
+
+
+def test_tune_candidates_include_chains_and_a_chain_can_win():
+    from transformers_poss.cli_tune import DEPTHS, candidate_shapes
+
+    records = [_record([0, 1, 4, 6]), _record([0, 1, 4, 6]), _record([0, 2, 5])]
+    steep = _profile({1: 1.0, 2: 1.2, 4: 1.4, 64: 64.0}, draft=0.01)  # every extra node costs: a chain is best
+    chain_profile = _profile(steep.verify_seconds, draft=0.005)
+    results = candidate_shapes(records, steep, chain_profile, top_k=4)
+    chains = [r for r in results if r["kind"] == "chain"]
+    assert sorted(r["depth"] for r in chains) == list(DEPTHS)
+    assert all(r["top_k"] == 1 and r["total_tokens"] == r["depth"] + 1 for r in chains)
+    assert any(r["kind"] == "tree" and r["top_k"] == 4 for r in results)
+    speedups = [r["predicted_speedup"] for r in results]
+    assert speedups == sorted(speedups, reverse=True)
+    assert results[0]["kind"] == "chain" and results[0]["depth"] == 3
+    flat = _profile({1: 1.0, 64: 1.0}, draft=0.01)  # verification free: the wide tree accepts more
+    assert candidate_shapes(records, flat, flat, top_k=4)[0]["kind"] == "tree"
+    assert {r["kind"] for r in candidate_shapes(records, steep, chain_profile, top_k=1)} == {"chain"}
+
+
+def test_bench_sweep_adds_one_chain_per_depth(monkeypatch):
+    import argparse
+
+    from transformers_poss import bench_cli
+
+    target = tiny_llama_target()
+    draft = make_draft(target)
+    monkeypatch.setattr(bench_cli, "load_draft", lambda source, model: draft)
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    base = ["--questions", "q.jsonl", "--draft", "poss=somewhere", "--no-prompt-lookup", "--sweep",
+            "--sweep-depths", "2,5", "--sweep-total-tokens", "8,16"]
+    names = {m.name: m for m in bench_cli.build_methods(parser.parse_args(base), target)}
+    assert {"poss[chain d=2]", "poss[chain d=5]", "poss[d=2,n=8]", "poss[d=5,n=16]"} <= set(names)
+    assert names["poss[chain d=5]"].info["tree"] == {"depth": 5, "top_k": 1, "total_tokens": 6}
+    assert names["poss[chain d=5]"].info["sweep"] and names["poss[chain d=5]"].info["draft"] == "poss"
+    without = bench_cli.build_methods(parser.parse_args(base + ["--no-sweep-chains"]), target)
+    assert not any("chain" in m.name for m in without) and len(without) == len(names) - 2
+
+
+def test_tune_measures_the_chosen_chain_as_a_chain(monkeypatch):
+    from transformers_poss.cli_tune import measure
+
+    target = tiny_llama_target()
+    draft = make_draft(target, depth=4, top_k=4, total=16)
+    trees = spy_trees(monkeypatch)
+    shape = {"kind": "chain", "depth": 3, "top_k": 1, "total_tokens": 4}
+    speedup, tau = measure(target, draft, [(p, torch.ones_like(p)) for p in prompts(2)], 10, shape)
+    assert speedup > 0 and tau >= 1.0
+    assert trees and all(t.is_chain for t in trees) and max(t.num_nodes for t in trees) == 4
+    assert draft.generation_config.tree_top_k == 4  # the draft's own shape is restored
