@@ -406,3 +406,63 @@ def test_tune_measures_the_chosen_chain_as_a_chain(monkeypatch):
     assert speedup > 0 and tau >= 1.0
     assert trees and all(t.is_chain for t in trees) and max(t.num_nodes for t in trees) == 4
     assert draft.generation_config.tree_top_k == 4  # the draft's own shape is restored
+
+
+def test_cli_tune_reports_chains(tmp_path, monkeypatch, capsys):
+    """`poss tune` end to end on a tiny target: chains among the candidates, the winning kind printed and saved."""
+    import json
+
+    from helpers import tiny_draft, tiny_llama
+    from test_bench import WORDS, _questions, tiny_target_dir  # noqa: F401 - fixture source
+
+    from transformers_poss import cli
+
+    monkeypatch.setenv("POSS_CACHE", str(tmp_path / "cache"))
+    target = tiny_llama(vocab_size=128, hidden_size=32)
+    target.generation_config.eos_token_id = None
+    folder = tiny_target_dir.__wrapped__(_Factory(tmp_path), target)
+    tiny_draft(target).save_pretrained(tmp_path / "draft")
+    q = _questions(tmp_path / "q.jsonl", 1, "x")
+    out = tmp_path / "tune.json"
+    status = cli.main(["tune", "--target", str(folder), "--draft", str(tmp_path / "draft"), "--questions", q,
+                       "--num-prompts", "1", "--max-new-tokens", "6", "--top-k", "3", "--output", str(out), "--save"])
+    assert status == 0
+    report = json.loads(out.read_text())
+    kinds = {c["kind"] for c in report["candidates"]}
+    assert kinds == {"chain", "tree"} and report["chain_profile"]["meta"]["top_k"] == 1
+    text = capsys.readouterr().out
+    assert f"-> a {report['chosen']['kind']} wins" in text and "| chain |" in text
+    saved = json.loads((tmp_path / "draft" / "generation_config.json").read_text())
+    assert saved["tree_top_k"] == report["chosen"]["top_k"] and saved["tree_depth"] == report["chosen"]["depth"]
+
+
+class _Factory:
+    """Stands in for pytest's ``tmp_path_factory`` when calling the ``tiny_target_dir`` fixture function."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def mktemp(self, name):
+        path = self.root / name
+        path.mkdir()
+        return path
+
+
+# ---------------------------------------------------------------- real target (slow, marked integration)
+
+
+@pytest.mark.integration
+def test_smollm2_chain_identical_on_mt_bench():
+    """The shipped draft as a chain (top-k 1, depth 4) on 4 MT-Bench prompts: identical to plain greedy."""
+    from test_generation_real import TRAINED_DRAFT, _chat_ids, _draft, _load, _questions
+
+    target, tokenizer = _load("smollm2-135m-instruct")
+    draft = _draft(target, TRAINED_DRAFT)
+    draft.generation_config.tree_depth, draft.generation_config.tree_top_k = 4, 1
+    draft.generation_config.tree_total_tokens = 5
+    for text in _questions(4):
+        ids = _chat_ids(tokenizer, text)
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False)
+        out = target.generate(ids, assistant_model=draft, return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, target.generate(ids, **kwargs))
+        assert len(out.acceptance.accepted_lengths) >= 1

@@ -53,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tree.add_argument("--tree-top-k", type=int, default=None)
     tree.add_argument("--tree-total-tokens", type=int, default=None, help="nodes verified per round, root included")
     tree.add_argument("--sweep", action="store_true",
-                      help="run every draft at every depth x total-tokens shape, and as a chain (top-k 1) of each depth")
+                      help="run every draft at every depth x total-tokens shape, and as a chain (top-k 1) of "
+                           "each depth")
     tree.add_argument("--sweep-depths", type=_int_list, default=[3, 4, 6], metavar="D1,D2,...")
     tree.add_argument("--sweep-total-tokens", type=_int_list, default=[8, 16, 32, 60], metavar="N1,N2,...")
     tree.add_argument("--no-sweep-chains", action="store_true",

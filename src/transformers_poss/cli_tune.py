@@ -153,13 +153,14 @@ def run(args) -> int:
     report = {"profile": json.loads(profile.to_json()), "chain_profile": json.loads(chain_profile.to_json()),
               "candidates": results, "chosen": best}
     if best["predicted_speedup"] < 1.0:
-        print(f"\nNo shape (tree or chain) is predicted to beat plain decoding here (best {best['predicted_speedup']:.2f}x): "
+        print(f"\nNo shape (tree or chain) is predicted to beat plain decoding here "
+              f"(best {best['predicted_speedup']:.2f}x): "
               "use plain generate, or tree_total_tokens='auto', which falls back to plain decoding by itself.")
     measured, tau = measure(target, draft, prompts, args.max_new_tokens, best)
     report["measured"] = {"speedup": measured, "mean_acceptance_length": tau}
     print(f"\nchosen: {best['kind']}, depth {best['depth']}, top-k {best['top_k']}, {best['total_tokens']} nodes -> "
-          f"predicted {best['predicted_speedup']:.2f}x (acceptance length {best['mean_acceptance_length']:.2f}), measured "
-          f"{measured:.2f}x (acceptance length {tau:.2f})")
+          f"predicted {best['predicted_speedup']:.2f}x (acceptance length {best['mean_acceptance_length']:.2f}), "
+          f"measured {measured:.2f}x (acceptance length {tau:.2f})")
     if args.save:
         draft.generation_config.tree_depth = best["depth"]
         draft.generation_config.tree_top_k = best["top_k"]

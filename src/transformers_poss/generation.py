@@ -131,8 +131,8 @@ class PosSCandidateGenerator(CandidateGenerator):
         if self.record and tree.scores is not None:
             from .budget import RoundRecord
 
-            self.rounds.append(RoundRecord(depths=tree.depths.cpu(), scores=tree.scores.cpu(), path=accepted.path.cpu(),
-                                           parents=tree.parents.cpu()))
+            self.rounds.append(RoundRecord(depths=tree.depths.cpu(), scores=tree.scores.cpu(),
+                                           path=accepted.path.cpu(), parents=tree.parents.cpu()))
 
     def get_candidates(
         self, input_ids: torch.LongTensor, new_tokens: torch.LongTensor = None, new_features: torch.Tensor = None
