@@ -238,8 +238,10 @@ def test_batched_real_chain_draft_identical():
     draft = make_draft(target, depth=4, top_k=1, total=16)  # 16 // 3 rows: every row keeps its whole chain
     rows = row_prompts([9, 4, 6])
     train_draft_briefly(target, draft, rows, steps=120)
-    out = assert_rows_identical(target, draft, rows, max_new_tokens=20)
+    with spy_forward(target) as masks:
+        out = assert_rows_identical(target, draft, rows, max_new_tokens=20)
     assert max(out.acceptance.accepted_lengths) >= 3
+    assert masks and all(isinstance(m, torch.Tensor) and m.dim() == 2 for m in masks)  # the batched proposer: chains
 
 
 # ---------------------------------------------------------------- sampling
