@@ -116,3 +116,26 @@ def test_rounds_are_recorded_for_replay():
     profile = _profile({1: 1.0, 64: 1.0})
     replay = simulate_shape(stats.rounds, profile, depth=6, total_tokens=60)
     assert abs(replay["mean_acceptance_length"] - stats.mean_acceptance_length) < 1e-9
+
+
+def test_chain_rounds_replayed_as_a_chain_match_the_run():
+    """Rounds of a tree_top_k=1 run are chains: replaying them as chains of the same depth gives the run's acceptance,
+    shorter chains accept a prefix of it."""
+    target = tiny_llama()
+    draft = tiny_draft(target)
+    train_ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    from tree_testing import train_draft_briefly
+
+    train_draft_briefly(target, draft, [train_ids], steps=80)
+    draft.generation_config.tree_depth, draft.generation_config.tree_top_k = 4, 1
+    draft.generation_config.tree_total_tokens = 5
+    draft.generation_config.tree_record_rounds = True
+    stats = _generate(target, draft)
+    assert max(stats.accepted_lengths) >= 3
+    profile = _profile({1: 1.0, 64: 1.0})
+    replay = simulate_shape(stats.rounds, profile, depth=4, total_tokens=5, top_k=1)
+    assert replay["kind"] == "chain" and abs(replay["mean_acceptance_length"] - stats.mean_acceptance_length) < 1e-9
+    for record, accepted in zip(stats.rounds, stats.accepted_lengths):
+        assert truncated_accepted(record, 4, 5, top_k=1) == accepted - 1
+        assert truncated_accepted(record, 2, 60, top_k=1) == min(accepted - 1, 2)
+

@@ -5,7 +5,8 @@ its single-row loop for B = 1). Each round:
 
 1. `BatchedPosSProposer` drafts one tree per row (batched: one draft pass per tree depth for all rows);
 2. ONE target forward verifies all rows' trees (`[B, n]` nodes; a row's nodes deeper than its remaining token budget
-   are invalid: computed, never accepted), with per-row 4D masks and position ids (`batched_cache`);
+   are invalid: computed, never accepted), with per-row 4D masks and position ids (`batched_cache`); chains on a
+   full-attention target take the plain causal path (2D mask) instead;
 3. each row accepts its own path (`batched_acceptance`);
 4. the accepted nodes are kept right-aligned in ``m = max_b(accepted_b + 1)`` new cache columns, holes masked;
 5. each row's tokens go through the stopping criteria one at a time; finished rows leave the batch (target cache,
@@ -104,11 +105,27 @@ def _prefill(model, input_ids, layout: BatchLayout, cache):
     return logits[:, -1], features
 
 
+def _causal_path_ok(config) -> bool:
+    """Whether transformers' own causal mask is right on the batched cache: full attention only (a sliding window
+    is applied by cache column there, and columns are not positions once the cache has holes)."""
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:  # no per-layer types: transformers applies a configured window to every layer
+        return getattr(config, "sliding_window", None) is None
+    return all(layer_type == "full_attention" for layer_type in layer_types)
+
+
 def _verify(model, tree: BatchedTree, layout: BatchLayout, cache):
-    """ONE target forward over every row's tree: logits `[B, n, V]` and post-norm features `[B, n, H]`."""
+    """ONE target forward over every row's tree: logits `[B, n, V]` and post-norm features `[B, n, H]`.
+
+    When every row's tree is a chain and the target has full-attention layers only, the plain causal path is used:
+    a 2D mask (each row's valid cache columns, then ones) from which transformers builds its causal mask.
+    """
     positions = layout.root_positions[:, None] + tree.depths
     config = model.config.get_text_config()
-    masks = batched_attention_mask(config, layout, tree.tree_mask, positions, _mask_dtype(model))
+    if tree.is_chain and _causal_path_ok(config):
+        masks = torch.cat([layout.valid, layout.valid.new_ones(tree.tokens.shape)], dim=1).long()
+    else:
+        masks = batched_attention_mask(config, layout, tree.tree_mask, positions, _mask_dtype(model))
     return _forward(model, tree.tokens, masks, positions, cache, 0)
 
 

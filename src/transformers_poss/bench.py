@@ -204,8 +204,9 @@ def render(report: dict) -> str:
     if len(report["methods"]["baseline"]["by_file"]) > 1:
         parts += ["", category_table(report["methods"], "by_file")]
     if "sweep" in report:
-        parts += ["", "| draft | depth | total tokens | speed-up | mean acc. length |", "|---|---:|---:|---:|---:|"]
-        parts += [f"| {r['draft']} | {r['depth']} | {r['total_tokens']} | {r['speedup']:.2f}x "
+        parts += ["", "| draft | depth | top-k | total tokens | speed-up | mean acc. length |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        parts += [f"| {r['draft']} | {r['depth']} | {r['top_k']} | {r['total_tokens']} | {r['speedup']:.2f}x "
                   f"| {r['mean_acceptance_length']} |" for r in report["sweep"]["shapes"]]
         for draft, row in report["sweep"].get("auto_vs_best", {}).items():
             parts.append(f"\n{draft}: auto {row['auto_speedup']:.2f}x vs best fixed shape {row['best']} "

@@ -68,11 +68,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tree.add_argument("--tree-total-tokens", type=_total_tokens, default=None,
                       help="nodes verified per round, root included, or 'auto' (chosen per round from the measured "
                            "cost of verification on this machine)")
-    tree.add_argument("--sweep", action="store_true", help="run every draft at every depth x total-tokens shape")
+    tree.add_argument("--sweep", action="store_true",
+                      help="run every draft at every depth x total-tokens shape, and as a chain (top-k 1) of "
+                           "each depth")
     tree.add_argument("--sweep-depths", type=_int_list, default=[3, 4, 6], metavar="D1,D2,...")
     tree.add_argument("--sweep-total-tokens", type=_total_tokens_list, default=[8, 16, 32, 60], metavar="N1,N2,...",
                       help="node counts to sweep; 'auto' adds the automatic budget at each depth, and the summary "
                            "then compares it with the best fixed shape")
+    tree.add_argument("--no-sweep-chains", action="store_true",
+                      help="leave the chains (top-k 1, depth d, d + 1 tokens) out of the sweep")
 
     batch = parser.add_argument_group("batched generation")
     batch.add_argument("--batch-size", type=int, nargs="+", default=None, metavar="B",
@@ -158,6 +162,10 @@ def build_methods(args, target) -> list:
                                       total)
                 method.info.update({"sweep": True, "draft": label})
                 methods.append(method)
+        for depth in [] if args.no_sweep_chains else args.sweep_depths:
+            method = draft_method(f"{label}[chain d={depth}]", target, draft, source, depth, 1, depth + 1)
+            method.info.update({"sweep": True, "draft": label, "chain": True})
+            methods.append(method)
     return methods
 
 
@@ -172,7 +180,8 @@ def settings_record(args, chat: bool, target) -> dict:
         "temperature": args.temperature, "greedy": args.temperature <= 0, "top_p": args.top_p, "top_k": args.top_k,
         "seed": args.seed, "threads": torch.get_num_threads(), "warmup": args.warmup, "chat_template": chat,
         "tree": {"depth": args.tree_depth, "top_k": args.tree_top_k, "total_tokens": args.tree_total_tokens},
-        "sweep": {"depths": args.sweep_depths, "total_tokens": args.sweep_total_tokens} if args.sweep else None,
+        "sweep": {"depths": args.sweep_depths, "total_tokens": args.sweep_total_tokens,
+                  "chains": not args.no_sweep_chains} if args.sweep else None,
         "prompt_lookup": None if args.no_prompt_lookup else
         {"num_tokens": args.prompt_lookup_tokens, "max_ngram": args.prompt_lookup_ngram},
         "method_order": "interleaved prompt by prompt, order rotated by one each prompt",

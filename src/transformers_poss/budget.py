@@ -269,15 +269,67 @@ class TreeBudget:
 # ---------------------------------------------------------------------------------------------------- replay
 @dataclass
 class RoundRecord:
-    """One verified round of a recording run: the drafted tree and the accepted path (node indices, root first)."""
+    """One verified round of a recording run: the drafted tree and the accepted path (node indices, root first).
+
+    ``parents`` (the tree's parent vector) is needed to replay the round as a chain (top-k 1).
+    """
 
     depths: torch.LongTensor
     scores: torch.Tensor
     path: torch.LongTensor
+    parents: torch.LongTensor | None = None
 
 
-def truncated_accepted(record: RoundRecord, depth: int, total_tokens: int) -> int:
-    """Accepted draft tokens had the tree been cut to ``depth`` and the best ``total_tokens - 1`` nodes (greedy)."""
+def best_children(parents: torch.LongTensor, scores: torch.Tensor) -> torch.LongTensor:
+    """`[n]`: each node's child with the highest score (ties: the first in node order), ``n`` where it has none.
+
+    Children of one node share its cumulative score, so the best child by cumulative score is the draft's top-1 token
+    after that node: what a top-k 1 proposer drafts there.
+    """
+    n = parents.shape[0]
+    children = torch.arange(1, n)
+    child_parents = parents[1:].long()
+    child_scores = scores[1:].double()
+    best = torch.full((n,), float("-inf"), dtype=torch.float64)
+    best = best.scatter_reduce(0, child_parents, child_scores, reduce="amax")
+    is_best = child_scores == best[child_parents]
+    candidates = torch.where(is_best, children, torch.full_like(children, n))
+    first = torch.full((n,), n, dtype=torch.long)
+    return first.scatter_reduce(0, child_parents, candidates, reduce="amin")
+
+
+def chain_nodes(record: RoundRecord, length: int) -> torch.LongTensor:
+    """Node indices of the top-1 path of a recorded tree (root excluded), at most ``length`` long: node ``i + 1`` is
+    the best child of node ``i``. It stops early where the recorded tree did not keep that child."""
+    if record.parents is None:
+        raise ValueError("this round was recorded without the tree's parents: it cannot be replayed as a chain")
+    best = best_children(record.parents, record.scores)
+    n = best.shape[0]
+    nodes, node = [], 0
+    for _ in range(length):  # a walk down one path: at most `length` steps
+        node = int(best[node])
+        if node >= n:
+            break
+        nodes.append(node)
+    return torch.tensor(nodes, dtype=torch.long)
+
+
+def _chain_length(depth: int, total_tokens: int) -> int:
+    return max(0, min(depth, total_tokens - 1))
+
+
+def truncated_accepted(record: RoundRecord, depth: int, total_tokens: int, top_k: int | None = None) -> int:
+    """Accepted draft tokens had the tree been cut to ``depth`` and the best ``total_tokens - 1`` nodes (greedy).
+
+    With ``top_k == 1`` the round is replayed as a chain of ``min(depth, total_tokens - 1)`` tokens: the top-1 path
+    (the best child at each depth); it accepts the leading nodes it shares with the accepted path.
+    """
+    if top_k == 1:
+        chain = chain_nodes(record, _chain_length(depth, total_tokens))
+        path = record.path[1:].long()
+        common = min(chain.shape[0], path.shape[0])
+        agree = (chain[:common] == path[:common]).long()
+        return int(agree.cumprod(0).sum())
     eligible = torch.nonzero(record.depths[1:] <= depth).flatten() + 1
     order = eligible[torch.sort(record.scores[eligible], descending=True, stable=True).indices]
     kept = torch.zeros(record.depths.shape[0], dtype=torch.bool)
@@ -290,12 +342,20 @@ def truncated_accepted(record: RoundRecord, depth: int, total_tokens: int) -> in
     return accepted
 
 
-def simulate_shape(records: list[RoundRecord], profile: CostProfile, depth: int, total_tokens: int) -> dict:
-    """Predicted acceptance length and speed-up over plain decoding of a shape, replaying ``records``."""
+def simulate_shape(records: list[RoundRecord], profile: CostProfile, depth: int, total_tokens: int,
+                   top_k: int | None = None) -> dict:
+    """Predicted acceptance length and speed-up over plain decoding of a shape, replaying ``records``.
+
+    ``top_k == 1`` replays a chain of ``min(depth, total_tokens - 1)`` tokens (its ``total_tokens`` is reported as
+    that plus the root); ``profile`` should then carry the drafting times of top-k 1.
+    """
     if not records:
         raise ValueError("no recorded rounds to replay")
-    tokens = sum(truncated_accepted(r, depth, total_tokens) + 1 for r in records)
+    if top_k == 1:
+        depth = _chain_length(depth, total_tokens)
+        total_tokens = depth + 1
+    tokens = sum(truncated_accepted(r, depth, total_tokens, top_k) + 1 for r in records)
     seconds = len(records) * (profile.draft(depth) + profile.verify(total_tokens))
     tau = tokens / len(records)
-    return {"depth": depth, "total_tokens": total_tokens, "mean_acceptance_length": tau,
-            "predicted_speedup": (tokens / seconds) * profile.verify(1)}
+    return {"depth": depth, "top_k": top_k, "kind": "chain" if top_k == 1 else "tree", "total_tokens": total_tokens,
+            "mean_acceptance_length": tau, "predicted_speedup": (tokens / seconds) * profile.verify(1)}

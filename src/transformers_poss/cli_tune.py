@@ -2,13 +2,16 @@
 
 1. Measures (once, cached) the target's verification cost curve t(n) and the draft's step times.
 2. Records a few generations with a large tree (every round's tree and accepted path).
-3. Replays the recorded rounds under every candidate shape (depth x total tokens) with the measured costs and picks
-   the shape with the highest predicted speed-up; speculation that would not pay is reported as such.
+3. Replays the recorded rounds under every candidate shape with the measured costs: trees (depth x total tokens at
+   the draft's top-k) and chains (top-k 1, depth d, d + 1 tokens: the top-1 path of each recorded tree, drafted at the
+   measured top-k 1 step times); picks the shape with the highest predicted speed-up and says whether a chain or a
+   tree won; speculation that would not pay is reported as such.
 4. Measures the chosen shape against plain decoding, interleaved prompt by prompt, and prints predicted vs measured.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -74,7 +77,7 @@ def measure(target, draft, prompts, max_new_tokens, shape):
         start = time.perf_counter()
         plain = target.generate(**kwargs)
         t_plain = time.perf_counter() - start
-        with tree_shape(draft, shape["depth"], None, shape["total_tokens"]):
+        with tree_shape(draft, shape["depth"], shape.get("top_k"), shape["total_tokens"]):
             start = time.perf_counter()
             spec = target.generate(**kwargs, assistant_model=draft, return_dict_in_generate=True)
             t_spec = time.perf_counter() - start
@@ -85,11 +88,34 @@ def measure(target, draft, prompts, max_new_tokens, shape):
     return statistics.median(ratios), statistics.mean(taus)
 
 
+def candidate_shapes(records, profile, chain_profile, top_k: int) -> list[dict]:
+    """Every candidate shape replayed on ``records``, best predicted speed-up first: trees at ``top_k`` (depth x total
+    tokens) and chains (top-k 1) of every depth, the latter costed with ``chain_profile``'s drafting times."""
+    from .budget import simulate_shape
+
+    results = []
+    if top_k > 1:
+        results += [simulate_shape(records, profile, d, n, top_k) for d in DEPTHS for n in SIZES
+                    if n <= 1 + top_k * d * top_k]
+    results += [simulate_shape(records, chain_profile, d, d + 1, top_k=1) for d in DEPTHS]
+    results.sort(key=lambda r: r["predicted_speedup"], reverse=True)
+    return results
+
+
+def chain_costs(profile, draft):
+    """``profile`` with the drafting times of a top-k 1 proposer (a chain step drafts one node, not top_k)."""
+    from .budget import measure_draft_seconds
+
+    context, step = measure_draft_seconds(draft, top_k=1)
+    return dataclasses.replace(profile, draft_context_seconds=context, draft_step_seconds=step,
+                               meta={**profile.meta, "top_k": 1})
+
+
 def run(args) -> int:
     import transformers_poss  # noqa: F401
 
     from .bench_cli import load_draft, quantized
-    from .budget import load_or_measure_profile, simulate_shape
+    from .budget import load_or_measure_profile
     from .embedded import load_target, uses_chat_template
 
     if args.threads:
@@ -108,25 +134,36 @@ def run(args) -> int:
     ids, mask = prompts[0]
     target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, assistant_model=draft)
     records = record_rounds(target, draft, prompts, args.max_new_tokens, max(DEPTHS), top_k, max(SIZES))
-    results = [simulate_shape(records, profile, d, n) for d in DEPTHS for n in SIZES if n <= 1 + top_k * d * top_k]
-    results.sort(key=lambda r: r["predicted_speedup"], reverse=True)
-    print(f"\n{len(records)} recorded rounds; best predicted shapes (top-k {top_k}):")
-    print("| depth | total tokens | predicted acceptance length | predicted speed-up |\n|---:|---:|---:|---:|")
+    chain_profile = chain_costs(profile, draft)
+    print(f"chain (top-k 1): draft context step {chain_profile.draft_context_seconds * 1000:.1f} ms, further step "
+          f"{chain_profile.draft_step_seconds * 1000:.1f} ms")
+    results = candidate_shapes(records, profile, chain_profile, top_k)
+    print(f"\n{len(records)} recorded rounds; best predicted shapes (trees: top-k {top_k}; chains: top-k 1):")
+    print("| kind | depth | top-k | total tokens | predicted acceptance length | predicted speed-up |\n"
+          "|---|---:|---:|---:|---:|---:|")
     for r in results[:8]:
-        print(f"| {r['depth']} | {r['total_tokens']} | {r['mean_acceptance_length']:.2f} | {r['predicted_speedup']:.2f}x |")
+        print(f"| {r['kind']} | {r['depth']} | {r['top_k']} | {r['total_tokens']} | {r['mean_acceptance_length']:.2f} "
+              f"| {r['predicted_speedup']:.2f}x |")
     best = results[0]
-    report = {"profile": json.loads(profile.to_json()), "candidates": results, "chosen": best}
+    best_chain = next(r for r in results if r["kind"] == "chain")
+    best_tree = next((r for r in results if r["kind"] == "tree"), None)
+    print(f"best chain: depth {best_chain['depth']} at {best_chain['predicted_speedup']:.2f}x; best tree: "
+          + (f"depth {best_tree['depth']}, {best_tree['total_tokens']} nodes at {best_tree['predicted_speedup']:.2f}x"
+             if best_tree else "none (top-k 1)") + f" -> a {best['kind']} wins")
+    report = {"profile": json.loads(profile.to_json()), "chain_profile": json.loads(chain_profile.to_json()),
+              "candidates": results, "chosen": best}
     if best["predicted_speedup"] < 1.0:
-        print(f"\nNo tree shape is predicted to beat plain decoding here (best {best['predicted_speedup']:.2f}x): "
+        print(f"\nNo shape (tree or chain) is predicted to beat plain decoding here "
+              f"(best {best['predicted_speedup']:.2f}x): "
               "use plain generate, or tree_total_tokens='auto', which falls back to plain decoding by itself.")
     measured, tau = measure(target, draft, prompts, args.max_new_tokens, best)
     report["measured"] = {"speedup": measured, "mean_acceptance_length": tau}
-    print(f"\nchosen: depth {best['depth']}, top-k {top_k}, {best['total_tokens']} nodes -> predicted "
-          f"{best['predicted_speedup']:.2f}x (acceptance length {best['mean_acceptance_length']:.2f}), measured "
-          f"{measured:.2f}x (acceptance length {tau:.2f})")
+    print(f"\nchosen: {best['kind']}, depth {best['depth']}, top-k {best['top_k']}, {best['total_tokens']} nodes -> "
+          f"predicted {best['predicted_speedup']:.2f}x (acceptance length {best['mean_acceptance_length']:.2f}), "
+          f"measured {measured:.2f}x (acceptance length {tau:.2f})")
     if args.save:
         draft.generation_config.tree_depth = best["depth"]
-        draft.generation_config.tree_top_k = top_k
+        draft.generation_config.tree_top_k = best["top_k"]
         draft.generation_config.tree_total_tokens = best["total_tokens"]
         draft.generation_config.save_pretrained(args.draft)
         print(f"saved the shape to {args.draft}/generation_config.json")

@@ -9,7 +9,7 @@ original methods.
 Each round of the loop:
 1. `PosSCandidateGenerator` drafts a tree from the context pairs accepted since the previous round;
 2. ONE target forward over the tree nodes (4D tree mask, position = context length + depth) gives logits and the
-   post-norm features;
+   post-norm features; a chain (``tree_top_k=1``) goes through the plain causal path (2D mask) instead;
 3. `verification.accept_tree` picks the accepted path (greedy or rejection sampling after the same logits processors
    ``generate`` applies);
 4. `kv_cache.compact_cache` keeps only the accepted rows; the emitted tokens are appended one at a time through the
@@ -131,7 +131,8 @@ class PosSCandidateGenerator(CandidateGenerator):
         if self.record and tree.scores is not None:
             from .budget import RoundRecord
 
-            self.rounds.append(RoundRecord(depths=tree.depths.cpu(), scores=tree.scores.cpu(), path=accepted.path.cpu()))
+            self.rounds.append(RoundRecord(depths=tree.depths.cpu(), scores=tree.scores.cpu(),
+                                           path=accepted.path.cpu(), parents=tree.parents.cpu()))
 
     def get_candidates(
         self, input_ids: torch.LongTensor, new_tokens: torch.LongTensor = None, new_features: torch.Tensor = None
@@ -219,13 +220,29 @@ def _mask_dtype(model) -> torch.dtype | None:
     return None if model.config._attn_implementation in ("sdpa", "poss_exact") else model.dtype
 
 
+def chain_attention_mask(num_nodes: int, context_mask: torch.BoolTensor | None) -> torch.LongTensor | None:
+    """The 2D mask of a chain verified on the plain causal path: the context mask then ones, `[1, past + n]`
+    (None without padding). transformers builds the causal / sliding-window mask from it as in plain decoding."""
+    if context_mask is None:
+        return None
+    return torch.cat([context_mask.long(), context_mask.new_ones(num_nodes, dtype=torch.long)])[None]
+
+
 def _verify(model, tree: DraftTree, cache, root_position: int, context_mask):
-    """ONE target forward over the tree nodes: logits `[n, vocab]` and post-norm features `[n, H]`."""
+    """ONE target forward over the tree nodes: logits `[n, vocab]` and post-norm features `[n, H]`.
+
+    A chain (top-k 1, or a tree cut to one path) is a plain continuation: it goes through the ordinary causal path
+    (2D mask, transformers builds its own causal mask); any other tree gets the 4D tree mask.
+    """
     device = model.device
-    mask = tree_verification_mask(
-        cache, model.config.get_text_config(), tree.tree_mask, tree.depths, context_mask, _mask_dtype(model)
-    )
-    mask = {k: v.to(device) for k, v in mask.items()} if isinstance(mask, dict) else mask.to(device)
+    if tree.is_chain:
+        mask = chain_attention_mask(tree.num_nodes, context_mask)
+        mask = None if mask is None else mask.to(device)
+    else:
+        mask = tree_verification_mask(
+            cache, model.config.get_text_config(), tree.tree_mask, tree.depths, context_mask, _mask_dtype(model)
+        )
+        mask = {k: v.to(device) for k, v in mask.items()} if isinstance(mask, dict) else mask.to(device)
     kwargs = {"logits_to_keep": 0} if model._supports_logits_to_keep() else {}
     outputs = model(
         input_ids=tree.tokens[None].to(device),
@@ -287,6 +304,8 @@ def _tree_assisted_decoding(
     cache = model_kwargs["cache"]
     attention_mask = model_kwargs.get("attention_mask")
     context_mask = None if attention_mask is None else attention_mask[0].bool()
+    if context_mask is not None and bool(context_mask.all()):
+        context_mask = None  # no padding: chains take the unmasked causal path, trees a mask without padding holes
 
     # prefill: last-position logits and every prompt position's features in the same forward
     outputs = self._prefill(input_ids, generation_config, {**model_kwargs, "output_hidden_states": True})

@@ -40,6 +40,12 @@ class DraftTree:
     def max_depth(self) -> int:
         return int(self.depths.max().item())
 
+    @property
+    def is_chain(self) -> bool:
+        """Whether the nodes form one path in order (node ``i``'s parent is node ``i - 1``): a plain causal
+        continuation, verifiable without a tree mask. One tensor comparison, no loop over nodes."""
+        return is_chain(self.parents)
+
     def position_ids(self, context_length: int) -> torch.LongTensor:
         """Position of every node when the root sits at position ``context_length``: shape `[n]`."""
         return self.depths + context_length
@@ -95,6 +101,14 @@ class DraftTree:
             tree_mask=self.tree_mask.to(device),
             scores=None if self.scores is None else self.scores.to(device),
         )
+
+
+def is_chain(parents: torch.LongTensor) -> bool:
+    """Whether ``parents`` (`[n]`, or `[B, n]` for a batch of trees) describe chains: ``parents[..., i] == i - 1``."""
+    n = parents.shape[-1]
+    if n <= 1:
+        return True
+    return bool((parents[..., 1:] == torch.arange(n - 1, device=parents.device)).all())
 
 
 def ancestor_mask_from_parents(parents: torch.LongTensor) -> torch.BoolTensor:
@@ -176,6 +190,11 @@ class BatchedTree:
     @property
     def num_nodes(self) -> int:
         return int(self.tokens.shape[1])
+
+    @property
+    def is_chain(self) -> bool:
+        """Whether every row's tree is a chain in node order (invalid nodes included: they are still computed)."""
+        return is_chain(self.parents)
 
     def row(self, b: int) -> tuple[DraftTree, torch.LongTensor]:
         """Row ``b`` as a `DraftTree` of its valid nodes, with their indices `[n_b]` in the padded row."""
