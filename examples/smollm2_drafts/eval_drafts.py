@@ -1,0 +1,55 @@
+"""Held-out position-wise accuracy of several drafts on the same stored target features, all at the same depth.
+
+Every draft is unrolled to ``--depth`` steps on the held-out conversations (a draft trained one step deep, like
+EAGLE-2, then reuses its layer for every step, which is what it does when it drafts a tree):
+
+    python examples/smollm2_drafts/eval_drafts.py --features runs/smollm2-features/eval \
+        eagle2=runs/smollm2-eagle2/final poss2=runs/smollm2-poss2/final ... --output runs/heldout.json
+"""
+
+import argparse
+import json
+
+import torch
+
+from transformers_poss import PosSDraftModel
+from transformers_poss.embedded import load_target
+from transformers_poss.training.features import FeatureShardDataset, PosSDataCollator
+from transformers_poss.training.objective import ObjectiveConfig, set_objective
+from transformers_poss.training.trainer import evaluate_draft
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("drafts", nargs="+", metavar="LABEL=FOLDER")
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--features", default="runs/smollm2-features/eval")
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+
+    target, tokenizer = load_target(args.target)
+    dataset = FeatureShardDataset(args.features)
+    collate = PosSDataCollator(pad_token_id=tokenizer.pad_token_id or 0)
+    batches = [collate([dataset[i] for i in range(s, min(len(dataset), s + args.batch_size))])
+               for s in range(0, len(dataset), args.batch_size)]
+    results = {}
+    for spec in args.drafts:
+        label, folder = spec.split("=", 1)
+        draft = PosSDraftModel.from_pretrained(folder).float().eval().attach_target(target)
+        set_objective(draft, ObjectiveConfig(num_steps=args.depth, noise="none"))
+        with torch.no_grad():
+            metrics = evaluate_draft(draft, batches)
+        results[label] = metrics
+        print(f"{label:10s} acc " + " ".join(f"{metrics[f'acc_{d}']:.3f}" for d in range(1, args.depth + 1))
+              + "  accept " + " ".join(f"{metrics[f'accept_{d}']:.3f}" for d in range(1, args.depth + 1))
+              + f"  chain tau {metrics['chain_tau']:.2f}")
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as handle:
+            json.dump({"features": args.features, "depth": args.depth, "tokens": dataset.num_tokens,
+                       "drafts": results}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
