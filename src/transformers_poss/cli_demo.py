@@ -66,7 +66,7 @@ def run(args) -> int:
     print(f"target: {args.target}   draft: {draft_path}", flush=True)
     target, tokenizer = load_target(args.target)
     target = quantized(target, args.quantize)
-    draft = load_draft(str(draft_path), target)
+    draft = quantized(load_draft(str(draft_path), target), args.quantize)
     gen = draft.generation_config
     print(f"tree: depth {gen.tree_depth}, top-k {gen.tree_top_k}, {gen.tree_total_tokens} nodes; "
           f"threads {torch.get_num_threads()}\n", flush=True)

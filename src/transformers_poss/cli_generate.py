@@ -53,7 +53,7 @@ def run(args) -> int:
     settings = GenerationSettings(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
     kwargs = {"input_ids": input_ids, "attention_mask": mask, "return_dict_in_generate": True,
               **settings.generate_kwargs()}
-    draft = load_draft(args.draft, target) if args.draft else None
+    draft = quantized(load_draft(args.draft, target), args.quantize) if args.draft else None
     torch.manual_seed(args.seed)
     start = time.perf_counter()
     if draft is None:

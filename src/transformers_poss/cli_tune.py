@@ -122,7 +122,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     target, tokenizer = load_target(args.target)
     target = quantized(target, args.quantize)
-    draft = load_draft(args.draft, target)
+    draft = quantized(load_draft(args.draft, target), args.quantize)
     top_k = args.top_k or draft.generation_config.tree_top_k
     prompts = _prompts(args, tokenizer, uses_chat_template(args.target, tokenizer))
     profile = load_or_measure_profile(target, draft, top_k=top_k, refresh=args.refresh, verbose=True)
