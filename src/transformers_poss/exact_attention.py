@@ -19,28 +19,33 @@ EXACT_ATTENTION = "poss_exact"
 
 
 def exact_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """`[B, Hq, q, d]` queries, `[B, Hkv, k, d]` keys/values, a bool or additive `[B, 1|H, q, k]` mask (or None
-    for plain causal attention) -> `([B, q, Hq, d], None)`."""
+    """`[B, Hq, q, d]` queries, `[B, Hkv, k, d]` keys/values, a bool or additive `[B, 1|Hq, q, k]` mask (or None
+    for plain causal attention) -> `([B, q, Hq, d], None)`.
+
+    Query heads sharing a key/value head are stacked (`[B, Hkv, G * q, d]`), so keys and values are not repeated.
+    """
     if kwargs.get("softcap") is not None:
         raise ValueError("attn_implementation='poss_exact' does not support attention logit soft-capping.")
-    groups = query.shape[1] // key.shape[1]
-    q = query.double()
-    k = key.double().repeat_interleave(groups, dim=1)
-    v = value.double().repeat_interleave(groups, dim=1)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    groups = q_heads // kv_heads
+    q = query.double().reshape(batch, kv_heads, groups * q_len, head_dim)
+    scale = scaling if scaling is not None else head_dim**-0.5
+    scores = torch.matmul(q, key.double().transpose(-1, -2)).mul_(scale).view(batch, kv_heads, groups, q_len, k_len)
     lowest = torch.finfo(scores.dtype).min  # finite, so a fully masked (padding) row stays finite
     if attention_mask is None:
-        q_len, k_len = scores.shape[-2:]
         if q_len > 1:  # causal, aligned to the end of the keys
             rows = torch.arange(q_len, device=scores.device)[:, None] + (k_len - q_len)
             scores = scores.masked_fill(torch.arange(k_len, device=scores.device)[None, :] > rows, lowest)
-    elif attention_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attention_mask[..., : scores.shape[-1]], lowest)
     else:
-        scores = scores + attention_mask[..., : scores.shape[-1]].double()
-    weights = torch.softmax(scores, dim=-1)
-    out = torch.matmul(weights, v).to(query.dtype)
+        mask = attention_mask[..., :k_len]
+        mask = mask.view(batch, kv_heads, groups, q_len, k_len) if mask.shape[1] == q_heads else mask[:, :, None]
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, lowest)
+        else:
+            scores = scores + mask.double()
+    weights = torch.softmax(scores, dim=-1).view(batch, kv_heads, groups * q_len, k_len)
+    out = torch.matmul(weights, value.double()).to(query.dtype).view(batch, q_heads, q_len, head_dim)
     return out.transpose(1, 2).contiguous(), None
 
 
