@@ -27,6 +27,7 @@ def main():
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--output", default=None)
+    parser.add_argument("--plot", default=None, help="PNG of top-1 accuracy by depth (needs matplotlib)")
     args = parser.parse_args()
 
     target, tokenizer = load_target(args.target)
@@ -49,6 +50,28 @@ def main():
         with open(args.output, "w", encoding="utf-8") as handle:
             json.dump({"features": args.features, "depth": args.depth, "tokens": dataset.num_tokens,
                        "drafts": results}, handle, indent=1)
+    if args.plot:
+        plot(results, args.depth, args.plot)
+
+
+def plot(results: dict, depth: int, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    depths = list(range(1, depth + 1))
+    for label, metrics in results.items():
+        ax.plot(depths, [metrics[f"acc_{d}"] for d in depths], marker="o", label=label)
+    ax.set_xlabel("draft depth (position)")
+    ax.set_ylabel("held-out top-1 accuracy")
+    ax.set_title("Draft accuracy by position (target's own continuation as context)")
+    ax.set_ylim(0, None)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
