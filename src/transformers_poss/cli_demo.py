@@ -39,7 +39,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable); default: three built-in")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--quantize", choices=["none", "int8"], default="none")
+    parser.add_argument("--quantize", choices=["none", "int8"], default="int8",
+                        help="int8 (default): the lossless CPU fast path for target and draft, plain decoding included "
+                             "(docs/budget.md); none: float32")
     parser.add_argument("--no-stream", action="store_true", help="do not stream the answers")
 
 
@@ -93,7 +95,11 @@ def run(args) -> int:
         rows.append((new / t_plain, new / t_spec, t_plain / t_spec, spec.acceptance))
         print(f"  [{new} tokens | plain {new / t_plain:.1f} tok/s | speculative {new / t_spec:.1f} tok/s | "
               f"speed-up {t_plain / t_spec:.2f}x | mean acceptance length {spec.acceptance.mean_acceptance_length:.2f}"
-              f" | identical to plain greedy: {'yes' if same else 'NO'}]\n", flush=True)
+              f" | identical to plain greedy: {'yes' if same else 'NO'}]", flush=True)
+        if getattr(spec.acceptance, "fell_back_to_plain", False):
+            print(f"  (automatic budget: after {spec.acceptance.num_rounds} rounds speculation was predicted not to "
+                  "pay on this machine, so the rest ran as plain decoding)", flush=True)
+        print(flush=True)
 
     merged = rows[0][3]
     for row in rows[1:]:
@@ -105,5 +111,6 @@ def run(args) -> int:
     print(f"  mean acceptance length {merged.mean_acceptance_length:.2f} tokens per target forward (bonus token included)")
     accept = ", ".join(f"{a:.2f}" for a in merged.position_acceptance[:6])
     print(f"  position-wise acceptance (positions 1..): {accept}")
-    print(f"  outputs identical to plain greedy: {identical}/{len(rows)}")
+    print(f"  outputs identical to plain greedy: {identical}/{len(rows)}"
+          + (" (int8 target and draft: the lossless CPU fast path)" if args.quantize == "int8" else ""))
     return 0 if identical == len(rows) else 1
