@@ -12,17 +12,13 @@ from __future__ import annotations
 import torch
 
 from .modeling_poss import PosSDraftCache
+from .proposer import _RoundState
 from .tree import BatchedTree, batched_ancestor_mask
 
 
-class _BatchedRoundState:
-    """Tree rows fed to the draft during one round, for B rows: fused inputs, positions, ancestry among them."""
-
-    def __init__(self):
-        self.hidden: torch.Tensor | None = None  # [B, R, H]
-        self.positions: torch.Tensor | None = None  # [B, R]
-        self.ancestry: torch.Tensor | None = None  # [B, R, R] ancestor-or-self among fed rows
-        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+class _BatchedRoundState(_RoundState):
+    """Tree rows fed to the draft during one round, for B rows: fused inputs `[B, R, H]`, positions `[B, R]`,
+    ancestry `[B, R, R]` among them; keys/values per specialist as in the single-row state."""
 
     def add(self, hidden, positions, parent_rows: torch.LongTensor | None):
         """Append `[B, k, H]` inputs at `[B, k]` positions whose parents are rows `[B, k]` ``parent_rows``."""
@@ -37,17 +33,6 @@ class _BatchedRoundState:
         self.ancestry = torch.cat([top, torch.cat([inherited, eye], dim=2)], dim=1)
         self.hidden = torch.cat([self.hidden, hidden], dim=1)
         self.positions = torch.cat([self.positions, positions], dim=1)
-
-    def keys_values(self, specialist: int, layer, draft):
-        keys, values, done = self.kv.get(specialist, (None, None, 0))
-        total = self.hidden.shape[1]
-        if done < total:
-            hidden = self.hidden[:, done:]
-            new_k, new_v = layer.project_kv(hidden, draft.position_embeddings(hidden, self.positions[:, done:]))
-            keys = new_k if keys is None else torch.cat([keys, new_k], dim=-2)
-            values = new_v if values is None else torch.cat([values, new_v], dim=-2)
-            self.kv[specialist] = (keys, values, total)
-        return keys, values
 
 
 class BatchedPosSProposer:
