@@ -214,7 +214,7 @@ class TreeBudget:
         min_speedup: predicted speed-up under which speculation stops for the rest of the call.
     """
 
-    def __init__(self, profile: CostProfile, depth: int, max_nodes: int, warmup_rounds: int = 4,
+    def __init__(self, profile: CostProfile, depth: int, max_nodes: int, warmup_rounds: int = 2,
                  min_speedup: float = 1.0, prior_weight: float = 2.0):
         self.profile = profile
         self.depth = depth
