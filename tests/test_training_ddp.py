@@ -13,19 +13,44 @@ from helpers import tiny_draft, tiny_llama
 WORKER = os.path.join(os.path.dirname(__file__), "training_ddp_worker.py")
 
 
+def _kill_workers(process, tmp_path):
+    """Kill the launcher's process group and every worker process started for ``tmp_path``."""
+    if process is not None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                cmdline = handle.read().decode(errors="replace")
+        except OSError:
+            continue
+        if WORKER in cmdline and str(tmp_path) in cmdline:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 @pytest.mark.parametrize("unrolled_steps", [2, 1])
 def test_two_process_gloo_training(tmp_path, unrolled_steps):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(__file__)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                WORKER, str(tmp_path), str(unrolled_steps)]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        _, stderr = process.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # the launcher and its workers
-        process.communicate()
-        raise
+    log = tmp_path / "launcher.log"
+    with open(log, "w") as handle:  # a file, not a pipe: a worker left behind cannot block the test on it
+        process = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT, text=True,
+                                   start_new_session=True)
+        try:
+            process.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            _kill_workers(process, tmp_path)
+            raise
+        finally:
+            _kill_workers(None, tmp_path)  # workers re-parented away from the launcher's group, if any
+    stderr = log.read_text()
     assert process.returncode == 0, stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["world_size"] == 2

@@ -31,10 +31,11 @@ def main(out_dir, unrolled_steps):
               "eval_acc_1": metrics["eval_acc_1"]}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
         json.dump(record, handle)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    # no collective after this point: every rank has finished training and evaluation
 
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # results are written: skip the process-group teardown, where a gloo worker was seen to hang
