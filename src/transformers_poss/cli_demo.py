@@ -97,8 +97,8 @@ def run(args) -> int:
               f"speed-up {t_plain / t_spec:.2f}x | mean acceptance length {spec.acceptance.mean_acceptance_length:.2f}"
               f" | identical to plain greedy: {'yes' if same else 'NO'}]", flush=True)
         if getattr(spec.acceptance, "fell_back_to_plain", False):
-            print(f"  (automatic budget: after {spec.acceptance.num_rounds} rounds speculation was predicted not to "
-                  "pay on this machine, so the rest ran as plain decoding)", flush=True)
+            print("  (automatic budget: after its warm-up rounds speculation was predicted not to pay on this machine, "
+                  "so the rest of this answer ran as plain decoding)", flush=True)
         print(flush=True)
 
     merged = rows[0][3]
