@@ -29,6 +29,7 @@ from tree_testing import (
     OracleProposer,
     RandomProposer,
     TargetTopKProposer,
+    broken_rejection,
     one_thread,  # noqa: F401 - autouse fixture
     tiny_gemma3_target,
     tiny_llama_target,
@@ -359,17 +360,9 @@ def test_sampling_keeps_each_rows_target_distribution(monkeypatch, sampling_targ
 
 
 def test_broken_acceptance_rule_fails_the_batched_test(monkeypatch, sampling_target):
-    def broken(probs, child_tokens, generator=None):
-        for i, token in enumerate(child_tokens.tolist()):
-            if float(torch.rand(1)) < float(probs[token]):
-                return i, token
-        residual = probs.clone()
-        residual[child_tokens] = 0
-        return -1, int(torch.multinomial(residual if residual.sum() > 0 else probs, 1))
-
     target = sampling_target
     use_row_proposers(monkeypatch, lambda: [TargetTopKProposer(target, p) for p in SAMPLING_PROMPTS])
-    monkeypatch.setattr(verification, "rejection_sample_children", broken)
+    monkeypatch.setattr(verification, "rejection_sample_children", broken_rejection)
     torch.manual_seed(0)
     counts, _ = batched_sample_counts(target, SAMPLING_PROMPTS, RUNS)
     joint = exact_joint(target, SAMPLING_PROMPTS[0], LogitsProcessorList())

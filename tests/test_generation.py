@@ -23,6 +23,7 @@ from tree_testing import (
     OracleProposer,
     RandomProposer,
     TargetTopKProposer,
+    broken_rejection,
     chi_square_p_value,
     one_thread,  # noqa: F401 - autouse fixture
     tiny_gemma3_target,
@@ -356,18 +357,10 @@ def test_sampling_keeps_the_target_distribution(monkeypatch, sampling_target, ca
 def test_broken_acceptance_rule_fails_the_same_test(monkeypatch, sampling_target):
     """Accepting child i with p(x_i), without renormalising after rejections, is caught by the test above."""
 
-    def broken(probs, child_tokens, generator=None):
-        for i, token in enumerate(child_tokens.tolist()):
-            if float(torch.rand(1)) < float(probs[token]):
-                return i, token
-        residual = probs.clone()
-        residual[child_tokens] = 0
-        return -1, int(torch.multinomial(residual if residual.sum() > 0 else probs, 1))
-
     target = sampling_target
     prompt = torch.tensor([[1, 5, 2, 7]])
     use_proposer(monkeypatch, lambda gen: TargetTopKProposer(target, prompt))
-    monkeypatch.setattr(verification, "rejection_sample_children", broken)
+    monkeypatch.setattr(verification, "rejection_sample_children", broken_rejection)
     torch.manual_seed(0)
     counts, _ = sample_counts(target, make_draft(target, depth=2, top_k=3, total=8), prompt, RUNS)
     joint = exact_joint(target, prompt, LogitsProcessorList())

@@ -10,7 +10,7 @@ from transformers_poss.verification import (
     sequential_accept,
 )
 from tree_testing import one_thread  # noqa: F401 - autouse fixture
-from tree_testing import chi_square_p_value, random_tree, tree_from_parents
+from tree_testing import broken_rejection, chi_square_p_value, random_tree, tree_from_parents
 
 VOCAB = 16
 
@@ -93,16 +93,6 @@ def test_sampling_with_top1_is_greedy():
     assert sampled.tokens.tolist() == greedy_accept(tree, logits).tokens.tolist()
 
 
-def _broken_rejection(probs, child_tokens, generator=None):
-    """Accepts child i with probability p(x_i), forgetting to renormalise after earlier rejections."""
-    for i, token in enumerate(child_tokens.tolist()):
-        if float(torch.rand(1)) < float(probs[token]):
-            return i, token
-    residual = probs.clone()
-    residual[child_tokens] = 0
-    return -1, int(torch.multinomial(residual if residual.sum() > 0 else probs, 1))
-
-
 def _empirical(rule, probs, children, draws):
     counts = torch.zeros(probs.shape[0])
     child_hits = torch.zeros(len(children))
@@ -124,7 +114,7 @@ def test_rejection_sampling_reproduces_the_target_distribution():
     assert chi_square_p_value(counts, probs) > 1e-3
     assert child_hits[2] == 0  # the repeat is never accepted a second time
     torch.manual_seed(0)
-    broken, _ = _empirical(_broken_rejection, probs, children, 3000)
+    broken, _ = _empirical(broken_rejection, probs, children, 3000)
     assert chi_square_p_value(broken, probs) < 1e-3
 
 

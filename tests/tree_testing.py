@@ -249,3 +249,14 @@ class TargetTopKProposer:
                     next_frontier.append((len(tokens) - 1, sequence + [token]))
             frontier = next_frontier
         return tree_from_parents(tokens, parents)
+
+
+def broken_rejection(probs, child_tokens, generator=None):
+    """A wrong acceptance rule for the sampling tests to catch: accepts child i with probability p(x_i), forgetting
+    to renormalise after earlier rejections."""
+    for i, token in enumerate(child_tokens.tolist()):
+        if float(torch.rand(1)) < float(probs[token]):
+            return i, token
+    residual = probs.clone()
+    residual[child_tokens] = 0
+    return -1, int(torch.multinomial(residual if residual.sum() > 0 else probs, 1))
