@@ -128,3 +128,21 @@ def test_int8_copy_generates_like_a_causal_lm(tiny_chat_target, tmp_path):
     assert not isinstance(model.lm_head, torch.ao.nn.quantized.dynamic.Linear)  # the original is untouched
     stats = regenerate(quantized, tokenizer, ["Say hello."], tmp_path / "c.jsonl", max_new_tokens=4, progress=False)
     assert stats["generated_tokens"] > 0
+
+
+def test_resolve_device():
+    from transformers_poss.training.cli import resolve_device
+
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device(None) == resolve_device("auto")
+    assert resolve_device("cpu") == "cpu" and resolve_device("cuda:1") == "cuda:1"
+    assert resolve_config(None, [], target="x")["device"] == "auto"
+
+
+def test_python_dash_m_runs_the_cli():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "transformers_poss", "train", "--target", "x", "--dry-run",
+                          "--set", "training.max_train_minutes=2"], capture_output=True, text=True, check=True)
+    assert "max_train_minutes: 2" in out.stdout and "device: auto" in out.stdout

@@ -26,22 +26,24 @@ def main():
     parser.add_argument("--features", default="runs/smollm2-features/eval")
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--device", default="cpu", help="where target and drafts run (cpu, cuda, ...)")
     parser.add_argument("--output", default=None)
     parser.add_argument("--plot", default=None, help="PNG of top-1 accuracy by depth (needs matplotlib)")
     args = parser.parse_args()
 
-    target, tokenizer = load_target(args.target)
+    target, tokenizer = load_target(args.target, device=args.device)
     dataset = FeatureShardDataset(args.features)
     collate = PosSDataCollator(pad_token_id=tokenizer.pad_token_id or 0)
     batches = [collate([dataset[i] for i in range(s, min(len(dataset), s + args.batch_size))])
                for s in range(0, len(dataset), args.batch_size)]
+    prepare = lambda b: {k: v.to(args.device) if torch.is_tensor(v) else v for k, v in b.items()}  # noqa: E731
     results = {}
     for spec in args.drafts:
         label, folder = spec.split("=", 1)
-        draft = PosSDraftModel.from_pretrained(folder).float().eval().attach_target(target)
+        draft = PosSDraftModel.from_pretrained(folder).float().to(args.device).eval().attach_target(target)
         set_objective(draft, ObjectiveConfig(num_steps=args.depth, noise="none"))
         with torch.no_grad():
-            metrics = evaluate_draft(draft, batches)
+            metrics = evaluate_draft(draft, batches, prepare)
         results[label] = metrics
         print(f"{label:10s} acc " + " ".join(f"{metrics[f'acc_{d}']:.3f}" for d in range(1, args.depth + 1))
               + "  accept " + " ".join(f"{metrics[f'accept_{d}']:.3f}" for d in range(1, args.depth + 1))

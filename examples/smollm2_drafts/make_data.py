@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from transformers_poss.embedded import load_target
+from transformers_poss.training.cli import resolve_device
 from transformers_poss.training.distill import read_jsonl, regenerate, synthesize_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +61,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=6000, help="distinct prompts to synthesise in total")
     parser.add_argument("--max-new-tokens", type=int, default=384, help="answer length cap")
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=16, help="answers generated together")
+    parser.add_argument("--prompt-batch-size", type=int, default=32, help="prompts sampled together")
+    parser.add_argument("--device", default="auto", help="where the target runs (auto: cuda if present, else cpu)")
     parser.add_argument("--chunk", type=int, default=64, help="answers generated between checkpoints")
     parser.add_argument("--minutes", type=float, default=60.0, help="stop after about this long")
     parser.add_argument("--threads", type=int, default=None)
@@ -69,14 +72,15 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     deadline = time.time() + 60 * args.minutes
     DATA.mkdir(parents=True, exist_ok=True)
-    target, tokenizer = load_target("smollm2-135m-instruct")
+    target, tokenizer = load_target("smollm2-135m-instruct", device=resolve_device(args.device))
     exclude = evaluation_prompts()
 
     prompts_file = _unpack("prompts.jsonl")
     have = len(read_jsonl(prompts_file))
     while have < args.prompts and time.time() < deadline:
-        goal = min(args.prompts, have + 256)
-        synthesize_prompts(target, tokenizer, goal, prompts_file, batch_size=32, exclude=exclude, seed=have)
+        goal = min(args.prompts, have + max(256, args.prompt_batch_size))
+        synthesize_prompts(target, tokenizer, goal, prompts_file, batch_size=args.prompt_batch_size, exclude=exclude,
+                           seed=have, progress=False)
         have = len(read_jsonl(prompts_file))
         _pack(prompts_file)
     prompts = [r["prompt"] for r in read_jsonl(prompts_file)]

@@ -18,6 +18,7 @@ _EXPORTS = {
     "PosSTrainingArguments": "trainer",
     "init_specialists": "trainer",
     "PositionAccuracyCallback": "trainer",
+    "TimeLimitCallback": "trainer",
     "evaluate_draft": "trainer",
     "pair_loss_mask": "data",
     "regenerate": "distill",

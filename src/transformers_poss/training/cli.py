@@ -20,6 +20,8 @@ Config (YAML or JSON; every key optional except ``target``):
       max_length: 2048
     features: offline                   # offline (bf16 shards, computed once) or online
     features_dir: null                  # default output_dir/features
+    features_batch_size: 8              # sequences per target forward when computing features
+    device: auto                        # where the target generates and computes features (auto: cuda if present)
     training: {...}                     # any PosSTrainingArguments field
 """
 
@@ -46,6 +48,8 @@ DEFAULTS = {
     "features": "offline",
     "features_dir": None,
     "features_dtype": "bfloat16",
+    "features_batch_size": 8,
+    "device": "auto",
     "training": {"per_device_train_batch_size": 4, "num_train_epochs": 1, "logging_steps": 10, "save_steps": 500,
                  "eval_strategy": "no", "report_to": "none"},
 }
@@ -169,7 +173,7 @@ def build_datasets(config, target, tokenizer):
     out = []
     for name, dataset in zip(("train", "eval"), datasets):
         if len(dataset):
-            write_feature_shards(target, dataset, root / name, dtype=dtype)
+            write_feature_shards(target, dataset, root / name, dtype=dtype, batch_size=config["features_batch_size"])
             out.append(FeatureShardDataset(root / name))
         else:
             out.append(None)
@@ -243,6 +247,15 @@ def _card(config, result, metrics, num_sequences) -> str:
     return "\n".join(lines)
 
 
+def resolve_device(name: str | None) -> str:
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; any other name is returned unchanged."""
+    import torch
+
+    if name in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
 def run(args) -> int:
     config = resolve_config(args.config, args.set, target=args.target, output_dir=args.output_dir, stage=args.stage)
     if args.dry_run:
@@ -253,7 +266,7 @@ def run(args) -> int:
     from ..embedded import load_target
 
     set_seed(config["seed"])
-    target, tokenizer = load_target(config["target"])
+    target, tokenizer = load_target(config["target"], device=resolve_device(config["device"]))
     train_dataset, eval_dataset = build_datasets(config, target, tokenizer)
     if config["stage"] in ("data", "features"):
         return 0

@@ -13,6 +13,7 @@ A plain `transformers.Trainer` already trains a draft on offline features (the d
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ __all__ = [
     "PosSTrainingArguments",
     "PosSTrainer",
     "ClipGradValueCallback",
+    "TimeLimitCallback",
     "PositionAccuracyCallback",
     "evaluate_draft",
     "init_specialists",
@@ -45,6 +47,8 @@ class PosSTrainingArguments(TrainingArguments):
         attention_chunk_size (`int`): queries per attention call in unrolled steps.
         max_length (`int`): tokens per sequence (longer ones are truncated by the collator).
         max_grad_value (`float`, *optional*): clip every gradient entry to [-v, v] before the optimiser step.
+        max_train_minutes (`float`, *optional*): wall-time limit of one `train()` call; when it is reached the run
+            stops after the current step (the learning-rate schedule is not shortened) and ``train()`` returns.
     """
 
     num_unrolled_steps: int | None = field(default=None, metadata={"help": "Unrolled steps (default: training_depth)."})
@@ -57,6 +61,9 @@ class PosSTrainingArguments(TrainingArguments):
     attention_chunk_size: int = field(default=256, metadata={"help": "Queries per attention call (memory bound)."})
     max_length: int = field(default=2048, metadata={"help": "Maximum tokens per sequence."})
     max_grad_value: float | None = field(default=0.5, metadata={"help": "Clip gradients by value (None: off)."})
+    max_train_minutes: float | None = field(
+        default=None, metadata={"help": "Stop training (and save) after this many minutes of wall time (None: off)."}
+    )
     learning_rate: float = field(default=3e-5, metadata={"help": "AdamW learning rate."})
     adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
     warmup_steps: float = field(default=0.01, metadata={"help": "Warmup steps, or a ratio of all steps if < 1."})
@@ -79,6 +86,23 @@ class ClipGradValueCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         torch.nn.utils.clip_grad_value_([p for p in model.parameters() if p.grad is not None], self.max_value)
+
+
+class TimeLimitCallback(TrainerCallback):
+    """Stops training once ``minutes`` of wall time have passed since ``on_train_begin`` (checked after each step)."""
+
+    def __init__(self, minutes: float):
+        self.seconds = 60.0 * minutes
+        self.start = None
+        self.stopped_at_step = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.start is not None and time.monotonic() - self.start >= self.seconds:
+            control.should_training_stop = True
+            self.stopped_at_step = state.global_step
 
 
 class PositionAccuracyCallback(TrainerCallback):
@@ -185,6 +209,8 @@ class PosSTrainer(Trainer):
         callbacks = list(callbacks or [])
         if getattr(args, "max_grad_value", None):
             callbacks.append(ClipGradValueCallback(args.max_grad_value))
+        if getattr(args, "max_train_minutes", None):
+            callbacks.append(TimeLimitCallback(args.max_train_minutes))
         super().__init__(model=model, args=args, data_collator=data_collator, processing_class=processing_class,
                          callbacks=callbacks, **kwargs)
         if target is not None and next(target.parameters()).device != self.args.device:
