@@ -26,6 +26,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
+from .emitter import Emitter, first_token
 from .kv_cache import (
     compact_cache,
     finish_cache_after_tree,
@@ -187,35 +188,6 @@ def limit_tree_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     return tree if bool(keep.all()) else tree.select(keep)
 
 
-class _Emitter:
-    """Appends tokens one at a time through the stopping criteria, streamer and score records of ``generate``."""
-
-    def __init__(self, input_ids, stopping_criteria, streamer, scores, raw_logits):
-        self.input_ids = input_ids
-        self.stopping_criteria = stopping_criteria
-        self.streamer = streamer
-        self.scores = scores
-        self.raw_logits = raw_logits
-        self.finished = False
-
-    def emit(self, tokens: torch.LongTensor, scores: torch.Tensor, raw_logits: torch.Tensor) -> int:
-        """Append ``tokens`` ([k]) until a stopping criterion fires; return how many were appended."""
-        count = 0
-        for i in range(tokens.shape[0]):
-            self.input_ids = torch.cat([self.input_ids, tokens[i : i + 1].view(1, 1)], dim=-1)
-            if self.scores is not None:
-                self.scores += (scores[i : i + 1],)
-            if self.raw_logits is not None:
-                self.raw_logits += (raw_logits[i : i + 1],)
-            count += 1
-            if bool(self.stopping_criteria(self.input_ids, self.scores).all()):
-                self.finished = True
-                break
-        if self.streamer is not None:
-            self.streamer.put(tokens[:count].view(1, -1).cpu())
-        return count
-
-
 def _mask_dtype(model) -> torch.dtype | None:
     return None if model.config._attn_implementation in ("sdpa", "poss_exact") else model.dtype
 
@@ -257,15 +229,6 @@ def _verify(model, tree: DraftTree, cache, root_position: int, context_mask):
     return outputs.logits[0], outputs.hidden_states[-1][0]
 
 
-def _first_token(logits, input_ids, logits_processor, do_sample):
-    scores = logits_processor(input_ids, logits)
-    if do_sample:
-        token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)[:, 0]
-    else:
-        token = scores.argmax(dim=-1)
-    return token, scores
-
-
 def _tree_assisted_decoding(
     self,
     input_ids: torch.LongTensor,
@@ -291,7 +254,7 @@ def _tree_assisted_decoding(
     do_sample = bool(generation_config.do_sample)
     return_dict = generation_config.return_dict_in_generate
     stats = AcceptanceStats()
-    emitter = _Emitter(
+    emitter = Emitter(
         input_ids,
         stopping_criteria,
         streamer,
@@ -315,7 +278,7 @@ def _tree_assisted_decoding(
     prepare_cache_for_tree(cache)
     logits = outputs.logits[:, -1].to(dtype=torch.float32, device=input_ids.device)
     del outputs
-    token, scores = _first_token(logits, input_ids, logits_processor, do_sample)
+    token, scores = first_token(logits, input_ids, logits_processor, do_sample)
     emitter.emit(token, scores, logits)
     new_tokens = torch.cat([input_ids[:, 1:], token[:, None]], dim=-1)
 
