@@ -119,10 +119,13 @@ class PosSCandidateGenerator(CandidateGenerator):
         return PosSProposer(self.draft, depth=self.depth, top_k=self.top_k, total_tokens=self.total_tokens)
 
     def _shape_tree(self, tree: DraftTree) -> DraftTree:
-        """With an automatic budget, keep the nodes worth verifying on this machine."""
+        """With an automatic budget, keep the nodes worth verifying on this machine and set the next drafting depth
+        (one level deeper than the depth kept, see `budget.TreeBudget.choose`)."""
         if self.budget is None:
             return tree
-        keep, _ = self.budget.choose(tree.scores)
+        drafted = getattr(self.proposer, "depth", self.depth)
+        keep, _ = self.budget.choose(tree.scores, tree.depths, drafted_depth=drafted)
+        self.proposer.depth = self.budget.next_depth
         return tree.select(keep.to(tree.tokens.device))
 
     def observe(self, tree: DraftTree, accepted) -> None:
@@ -298,7 +301,7 @@ def _tree_assisted_decoding(
 
         clock = time.perf_counter()
         accepted = accept_tree(tree, logits, emitter.input_ids, logits_processor, do_sample)
-        stats.record(accepted.num_accepted, accepted.proposed_next)
+        stats.record(accepted.num_accepted, accepted.proposed_next, depth=tree.max_depth)
         candidate_generator.observe(tree, accepted)
         stats.add_time("acceptance", time.perf_counter() - clock)
 
