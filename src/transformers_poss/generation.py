@@ -14,6 +14,9 @@ Each round of the loop:
    ``generate`` applies);
 4. `kv_cache.compact_cache` keeps only the accepted rows; the emitted tokens are appended one at a time through the
    stopping criteria, so generation stops exactly where plain ``generate`` would.
+
+With ``tree_total_tokens="auto"`` a fallback decided by the budget hands the rest of the call to transformers' own
+decoding loop (`handover.continue_with_stock_loop`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from .emitter import Emitter, first_token
+from .handover import continue_with_stock_loop
 from .kv_cache import (
     compact_cache,
     finish_cache_after_tree,
@@ -128,6 +132,12 @@ class PosSCandidateGenerator(CandidateGenerator):
         self.proposer.depth = self.budget.next_depth
         return tree.select(keep.to(tree.tokens.device))
 
+    def falls_back(self) -> bool:
+        """Whether the automatic budget has decided that speculation does not pay for the rest of the call."""
+        if self.budget is not None and not self.fell_back and self.budget.should_fall_back():
+            self.fell_back = True
+        return self.fell_back
+
     def observe(self, tree: DraftTree, accepted) -> None:
         """Feed a verified round back: calibrates the automatic budget; records rounds when asked."""
         if self.budget is not None and not self.fell_back:
@@ -152,8 +162,7 @@ class PosSCandidateGenerator(CandidateGenerator):
         Returns:
             `(tree, None)`: the tree on the device of ``input_ids``; no candidate logits (the draft is deterministic).
         """
-        if self.budget is not None and (self.fell_back or self.budget.should_fall_back()):
-            self.fell_back = True  # speculation does not pay here: plain decoding steps for the rest of the call
+        if self.falls_back():  # the loop hands over to plain decoding; a root-only tree is a plain step
             return DraftTree.root_only(input_ids[0, -1]), None
         tree = self.proposer.propose(new_tokens.to(self.device), new_features.to(self.device))
         return self._shape_tree(tree).to(input_ids.device), None
@@ -285,7 +294,7 @@ def _tree_assisted_decoding(
     emitter.emit(token, scores, logits)
     new_tokens = torch.cat([input_ids[:, 1:], token[:, None]], dim=-1)
 
-    while not emitter.finished:
+    while not emitter.finished and not candidate_generator.falls_back():
         clock = time.perf_counter()
         tree, _ = candidate_generator.get_candidates(emitter.input_ids, new_tokens, new_features)
         budget = generation_config.max_length - emitter.input_ids.shape[1]
@@ -315,9 +324,12 @@ def _tree_assisted_decoding(
         new_tokens = accepted.tokens[None]
         new_features = features[accepted.path.to(features.device)][None]
 
-    finish_cache_after_tree(cache)
     stats.rounds = candidate_generator.rounds
     stats.fell_back_to_plain = candidate_generator.fell_back
+    if not emitter.finished:  # the budget fell back: transformers' own loop finishes the call
+        return continue_with_stock_loop(self, emitter, stats, cache, input_ids.shape[1], logits_processor,
+                                        stopping_criteria, generation_config, synced_gpus, streamer, model_kwargs)
+    finish_cache_after_tree(cache)
     if streamer is not None:
         streamer.end()
     if not return_dict:
