@@ -38,7 +38,7 @@ from .kv_cache import (
     tree_verification_mask,
 )
 from .modeling_poss import PosSDraftModel
-from .quantize import linear_weight
+from .quantize import linear_device
 from .tree import DraftTree
 from .validation import check_generation_config, check_inputs
 from .verification import AcceptanceStats, accept_tree
@@ -173,7 +173,7 @@ def _lm_head_device(target) -> torch.device:
     head = target.get_output_embeddings()
     device = getattr(getattr(head, "_hf_hook", None), "execution_device", None)
     if device is None:
-        return linear_weight(head).device
+        return linear_device(head)
     return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
 
 
