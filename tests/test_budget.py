@@ -31,6 +31,9 @@ def _scores():
     return probs.log()
 
 
+_DEPTHS = torch.tensor([0, 1, 1, 2, 2, 3])  # depths of the nodes of _scores()
+
+
 def test_flat_cost_keeps_every_node_steep_cost_keeps_few():
     scores = _scores()
     flat = TreeBudget(_profile({1: 1.0, 64: 1.0}), depth=3, max_nodes=6)
@@ -55,6 +58,17 @@ def test_calibration_and_fallback():
         good.choose(_scores())
         good.observe(3)
     assert not good.should_fall_back() and good.predicted_speedup() > 1.5
+
+
+def test_fallback_uses_the_acceptance_observed_not_the_drafts_estimate():
+    """A draft confident in its first rounds but never right: the rounds so far are slower than plain decoding, so
+    the budget falls back right after its warm-up, whatever the draft's probabilities promised."""
+    budget = TreeBudget(_profile({1: 1.0, 2: 1.2, 64: 1.5}), depth=3, max_nodes=6, warmup_rounds=2)
+    for _ in range(2):
+        keep, rate = budget.choose(_scores(), _DEPTHS)
+        assert len(keep) > 1 and rate > 1.5  # the draft's estimate: well worth it
+        budget.observe(0)
+    assert budget.tokens == 2 and budget.predicted_speedup() < 1.0 and budget.should_fall_back()
 
 
 def test_replay_truncation():
@@ -139,9 +153,6 @@ def test_chain_rounds_replayed_as_a_chain_match_the_run():
         assert truncated_accepted(record, 4, 5, top_k=1) == accepted - 1
         assert truncated_accepted(record, 2, 60, top_k=1) == min(accepted - 1, 2)
 
-
-
-_DEPTHS = torch.tensor([0, 1, 1, 2, 2, 3])  # depths of the nodes of _scores()
 
 
 def test_depth_is_chosen_with_the_nodes():

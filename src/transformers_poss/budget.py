@@ -219,8 +219,8 @@ class TreeBudget:
         self.observed = prior_weight  # calibration prior: the draft's probabilities are taken at face value
         self.predicted = prior_weight
         self.rounds = 0
-        self.predicted_tokens = 0.0
-        self.predicted_seconds = 0.0
+        self.tokens = 0  # tokens produced by the observed rounds (accepted draft tokens + 1 each)
+        self.predicted_seconds = 0.0  # their time under this machine's profile
         self.chosen_depth = 0  # depth of the last round's kept nodes (0: root only)
         self.next_depth = depth  # depth to draft next round
         sizes = torch.arange(1, max_nodes + 1)
@@ -272,25 +272,29 @@ class TreeBudget:
         keep = torch.sort(order[:prefix][kept]).values
         self.chosen_depth = int(node_depths[:prefix][kept].max()) if keep.numel() else 0
         self.next_depth = max(1, min(self.depth, self.chosen_depth + 1))
-        self._last = float(gain[row, prefix] - 1.0), float(raw[row, prefix])
-        self.predicted_tokens += float(gain[row, prefix])
-        self.predicted_seconds += self.profile.draft(drafted) + float(self._verify[keep.shape[0]])
+        self._last = float(raw[row, prefix]), self.profile.draft(drafted) + float(self._verify[keep.shape[0]])
         return torch.cat([torch.zeros(1, dtype=torch.long), keep]), float(rate[row, prefix])
 
     def observe(self, accepted_draft_tokens: int) -> None:
-        """Update the calibration with the round just verified."""
-        _, raw = self._last
+        """Update the calibration and the speed record with the round just verified (after `choose`)."""
+        raw, seconds = self._last
         self.observed += accepted_draft_tokens
         self.predicted += raw
         self.rounds += 1
+        self.tokens += accepted_draft_tokens + 1
+        self.predicted_seconds += seconds
 
     def predicted_speedup(self) -> float:
+        """Speed of the rounds so far over plain decoding on this machine: the tokens they actually produced per
+        second of their profiled time (drafting at the drafted depth + verifying the kept nodes), over ``1 / t(1)``.
+        Acceptance is what the target really accepted, not the draft's estimate, so a draft that is over-confident
+        in the first rounds does not delay the fallback (the same measure `simulate_shape` replays)."""
         if self.predicted_seconds == 0:
             return float("inf")
-        return (self.predicted_tokens / self.predicted_seconds) / self.plain_rate
+        return (self.tokens / self.predicted_seconds) / self.plain_rate
 
     def should_fall_back(self) -> bool:
-        """After the warm-up rounds: is speculation predicted to be slower than plain decoding?"""
+        """After the warm-up rounds: is speculation slower than plain decoding (`predicted_speedup`)?"""
         return self.rounds >= self.warmup_rounds and self.predicted_speedup() < self.min_speedup
 
 
