@@ -11,7 +11,8 @@ from transformers_poss import bench_cli, cli
 from transformers_poss.bench import build_report, finish, load_questions, mismatch_report, render, run_methods
 from transformers_poss.bench_methods import (GenerationSettings, Method, MethodResult, Prompt, baseline_method,
                                              prompt_lookup_method, record_candidate_rounds, result_from_generate)
-from transformers_poss.bench_metrics import PromptRecord, first_mismatch, position_acceptance, time_split
+from transformers_poss.bench_metrics import (PromptRecord, first_mismatch, position_acceptance, summarize,
+                                             time_split)
 
 
 CONTRACT_KEYS = {"tokens_per_s", "speedup", "mean_acceptance_length", "position_acceptance", "identical_to_baseline",
@@ -161,6 +162,19 @@ def test_result_from_tree_generate_output():
     result = result_from_generate(output, prompt_length=2)
     assert result.tokens == [1, 2, 3, 4, 5, 6] and result.accepted_lengths == [3, 1, 2]
     assert result.position_counts == ([2, 1], [4, 2]) and result.time_split["verification"] == 0.2
+    assert result.drafted_lengths is None  # no tree depths reported
+
+
+def test_mean_draft_depth_counts_drafting_rounds_only():
+    # two tree rounds of depth 2 and 1, then two plain steps after a fallback (depth 0)
+    stats = SimpleNamespace(accepted_lengths=[3, 1, 1, 1], tree_depths=[2, 1, 0, 0], position_acceptance=[0.5],
+                            position_accepted=[1], position_proposed=[2], timings={})
+    output = SimpleNamespace(sequences=torch.tensor([[7, 8, 1, 2, 3, 4, 5, 6, 9]]), acceptance=stats)
+    result = result_from_generate(output, prompt_length=2)
+    assert result.drafted_lengths == [2, 1, 0, 0]
+    record = _record(result)
+    assert summarize([record], [record])["mean_draft_depth"] == 1.5
+    assert summarize([_record(MethodResult([0, 1]))], [record])["mean_draft_depth"] is None
 
 
 def test_candidate_round_recording_leaves_model_untouched(model, prompts):

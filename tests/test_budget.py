@@ -31,6 +31,9 @@ def _scores():
     return probs.log()
 
 
+_DEPTHS = torch.tensor([0, 1, 1, 2, 2, 3])  # depths of the nodes of _scores()
+
+
 def test_flat_cost_keeps_every_node_steep_cost_keeps_few():
     scores = _scores()
     flat = TreeBudget(_profile({1: 1.0, 64: 1.0}), depth=3, max_nodes=6)
@@ -55,6 +58,17 @@ def test_calibration_and_fallback():
         good.choose(_scores())
         good.observe(3)
     assert not good.should_fall_back() and good.predicted_speedup() > 1.5
+
+
+def test_fallback_uses_the_acceptance_observed_not_the_drafts_estimate():
+    """A draft confident in its first rounds but never right: the rounds so far are slower than plain decoding, so
+    the budget falls back right after its warm-up, whatever the draft's probabilities promised."""
+    budget = TreeBudget(_profile({1: 1.0, 2: 1.2, 64: 1.5}), depth=3, max_nodes=6, warmup_rounds=2)
+    for _ in range(2):
+        keep, rate = budget.choose(_scores(), _DEPTHS)
+        assert len(keep) > 1 and rate > 1.5  # the draft's estimate: well worth it
+        budget.observe(0)
+    assert budget.tokens == 2 and budget.predicted_speedup() < 1.0 and budget.should_fall_back()
 
 
 def test_replay_truncation():
@@ -139,3 +153,63 @@ def test_chain_rounds_replayed_as_a_chain_match_the_run():
         assert truncated_accepted(record, 4, 5, top_k=1) == accepted - 1
         assert truncated_accepted(record, 2, 60, top_k=1) == min(accepted - 1, 2)
 
+
+
+def test_depth_is_chosen_with_the_nodes():
+    # a drafting step costs as much as a verification: only the depth-1 nodes pay for their drafting
+    costly = TreeBudget(_profile({1: 1.0, 64: 1.0}, draft=1.0), depth=3, max_nodes=6)
+    keep, rate = costly.choose(_scores(), _DEPTHS)
+    assert keep.tolist() == [0, 1, 2] and costly.chosen_depth == 1 and costly.next_depth == 2
+    assert abs(rate - 1.95 / 2.0) < 1e-6  # (1 + 0.9 + 0.05) / (draft(1) + t(3))
+    # free drafting and flat verification: every node, the full depth
+    free = TreeBudget(_profile({1: 1.0, 64: 1.0}), depth=3, max_nodes=6)
+    keep, _ = free.choose(_scores(), _DEPTHS)
+    assert keep.tolist() == [0, 1, 2, 3, 4, 5] and free.chosen_depth == 3 and free.next_depth == 3
+    # a shallower drafted tree: only its depths are candidates, the next round probes one level deeper
+    keep, _ = free.choose(_scores()[:3], _DEPTHS[:3], drafted_depth=1)
+    assert keep.tolist() == [0, 1, 2] and free.chosen_depth == 1 and free.next_depth == 2
+    # nothing pays: root only, depth 0, and the next round drafts one level
+    steep = TreeBudget(_profile({1: 1.0, 2: 100.0, 64: 100.0}), depth=3, max_nodes=6)
+    keep, _ = steep.choose(_scores(), _DEPTHS)
+    assert keep.tolist() == [0] and steep.chosen_depth == 0 and steep.next_depth == 1
+    # the node cap holds across depths
+    capped = TreeBudget(_profile({1: 1.0, 64: 1.0}), depth=3, max_nodes=3)
+    keep, _ = capped.choose(_scores(), _DEPTHS)
+    assert keep.tolist() == [0, 1, 3] and capped.chosen_depth == 2
+
+
+def test_auto_budget_chooses_the_drafting_depth(monkeypatch):
+    from transformers_poss import budget as budget_module
+    from transformers_poss.proposer import PosSProposer
+
+    # flat verification, expensive drafting steps: depth-1 trees pay, deeper levels do not
+    profile = CostProfile(key="k", verify_seconds={1: 1.0, 64: 1.0}, draft_context_seconds=0.01,
+                          draft_step_seconds=5.0)
+    monkeypatch.setattr(budget_module, "load_or_measure_profile", lambda *a, **k: profile)
+    monkeypatch.setattr(TreeBudget, "should_fall_back", lambda self: False)
+    drafted = []
+    original = PosSProposer.propose
+
+    def propose(self, *args):
+        drafted.append(self.depth)
+        return original(self, *args)
+
+    monkeypatch.setattr(PosSProposer, "propose", propose)
+    target = tiny_llama()
+    draft = tiny_draft(target)
+    draft.generation_config.tree_depth, draft.generation_config.tree_top_k = 4, 3
+    draft.generation_config.tree_total_tokens = "auto"
+    stats = _generate(target, draft)
+    assert drafted[0] == 4 and set(drafted[1:]) == {2}  # chosen depth 1, probing depth 2
+    # (the last round may be cut to its root: the token budget is spent)
+    assert stats.tree_depths[:-1] == [1] * (stats.num_rounds - 1) and not stats.fell_back_to_plain
+
+    # cheap drafting: the depth grows back to the configured one, one level per round at most
+    cheap = CostProfile(key="k", verify_seconds={1: 1.0, 64: 1.0}, draft_context_seconds=0.0, draft_step_seconds=0.0)
+    monkeypatch.setattr(budget_module, "load_or_measure_profile", lambda *a, **k: cheap)
+    drafted.clear()
+    stats = _generate(target, draft)
+    assert len(stats.tree_depths) == stats.num_rounds
+    assert all(d <= max(previous, 1) + 1 for previous, d in zip(stats.tree_depths, stats.tree_depths[1:]))
+    assert all(d <= drafted_depth for d, drafted_depth in zip(stats.tree_depths, drafted))
+    assert max(drafted) == 4

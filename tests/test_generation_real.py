@@ -113,3 +113,40 @@ def test_smollm2_int8_greedy_identical_on_mt_bench():
         expected = target.generate(ids, max_new_tokens=48, do_sample=False)
         out = target.generate(ids, assistant_model=draft, max_new_tokens=48, do_sample=False)
         assert out.tolist() == expected.tolist(), text
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_smollm2_auto_budget_hands_over_to_plain_decoding(quantize, monkeypatch):
+    """The shipped draft with the automatic budget, falling back after 2 rounds: the rest runs in transformers' own
+    `_sample` (fp32 sdpa, and int8 with exact attention), token-identical to plain greedy generate."""
+    from transformers.generation.utils import GenerationMixin
+
+    from transformers_poss import quantize_int8
+    from transformers_poss.budget import TreeBudget
+
+    target, tokenizer = _load("smollm2-135m-instruct")  # a fresh copy: quantized in place
+    draft = _draft(target, TRAINED_DRAFT)
+    if quantize == "int8":
+        quantize_int8(target)
+        draft = quantize_int8(draft)
+    gen = draft.generation_config
+    gen.tree_depth, gen.tree_top_k, gen.tree_total_tokens, gen.tree_max_total_tokens = 2, 4, "auto", 16
+    continued = []
+    original = GenerationMixin._sample
+
+    def spy(self, input_ids, *args, **kwargs):
+        cache = kwargs.get("cache")
+        if cache is not None and cache.get_seq_length() > 0:
+            continued.append(input_ids.shape[1])
+        return original(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "_sample", spy)
+    monkeypatch.setattr(TreeBudget, "should_fall_back", lambda self: self.rounds >= 2)
+    for text in _questions(3):
+        ids = _chat_ids(tokenizer, text)
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
+        expected = target.generate(ids, **kwargs)
+        continued.clear()
+        out = target.generate(ids, assistant_model=draft, return_dict_in_generate=True, **kwargs)
+        assert out.sequences.tolist() == expected.tolist(), text
+        assert out.acceptance.fell_back_to_plain and len(continued) == 1 and out.acceptance.plain_steps > 0

@@ -9,7 +9,7 @@ from transformers.cache_utils import DynamicCache
 
 from test_generation import assert_same, make_draft, prompts
 from transformers_poss import Int8Linear, quantize_int8, use_exact_attention
-from transformers_poss.quantize import has_int8_activations, is_batch_variant, linear_weight
+from transformers_poss.quantize import has_int8_activations, is_batch_variant, linear_device, linear_weight
 from tree_testing import tiny_gemma3_target, tiny_llama_target
 
 
@@ -28,6 +28,20 @@ def test_int8_linear_is_close_to_float_and_rows_are_independent():
     scaled[0] *= 100.0  # a row with huge activations must not change the others
     assert torch.equal(quantized(scaled)[1:], out[1:])
     assert (linear_weight(quantized) - linear.weight).abs().max() < linear.weight.abs().max() / 100
+
+
+def test_generate_does_not_unpack_an_int8_lm_head(monkeypatch):
+    """Finding the lm_head's device must not dequantize it (a vocabulary-sized matrix, at every generate call)."""
+    target = quantize_int8(tiny_llama_target())
+    draft = quantize_int8(make_draft(target))
+    assert linear_device(target.lm_head) == target.lm_head.weight_int8_t.device
+    assert_same(target, draft, prompts(1)[0], max_new_tokens=4, do_sample=False)  # the draft caches its head here
+
+    def unpack(self):
+        raise AssertionError("the int8 lm_head was dequantized again")
+
+    monkeypatch.setattr(Int8Linear, "dequantized_weight", unpack)
+    assert_same(target, draft, prompts(1)[0], max_new_tokens=8, do_sample=False)
 
 
 def test_exact_attention_matches_sdpa():

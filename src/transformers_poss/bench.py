@@ -169,7 +169,8 @@ def sweep_summary(methods: dict) -> dict:
         rows.append({"method": name, "draft": entry["info"]["draft"], "depth": tree["depth"],
                      "total_tokens": tree["total_tokens"], "top_k": tree["top_k"],
                      "speedup": entry["speedup"]["aggregate"], "speedup_median": entry["speedup"]["median"],
-                     "mean_acceptance_length": entry["mean_acceptance_length"]})
+                     "mean_acceptance_length": entry["mean_acceptance_length"],
+                     "mean_draft_depth": entry.get("mean_draft_depth")})
     best, auto = {}, {}
     for row in rows:
         if row["speedup"] is None:
@@ -204,10 +205,10 @@ def render(report: dict) -> str:
     if len(report["methods"]["baseline"]["by_file"]) > 1:
         parts += ["", category_table(report["methods"], "by_file")]
     if "sweep" in report:
-        parts += ["", "| draft | depth | top-k | total tokens | speed-up | mean acc. length |",
-                  "|---|---:|---:|---:|---:|---:|"]
+        parts += ["", "| draft | depth | top-k | total tokens | speed-up | mean acc. length | mean draft depth |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         parts += [f"| {r['draft']} | {r['depth']} | {r['top_k']} | {r['total_tokens']} | {r['speedup']:.2f}x "
-                  f"| {r['mean_acceptance_length']} |" for r in report["sweep"]["shapes"]]
+                  f"| {r['mean_acceptance_length']} | {r.get('mean_draft_depth')} |" for r in report["sweep"]["shapes"]]
         for draft, row in report["sweep"].get("auto_vs_best", {}).items():
             parts.append(f"\n{draft}: auto {row['auto_speedup']:.2f}x vs best fixed shape {row['best']} "
                          f"{row['best_speedup']:.2f}x (ratio {row['ratio']:.2f})")

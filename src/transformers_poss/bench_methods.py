@@ -147,7 +147,9 @@ def result_from_generate(output, prompt_length: int, rounds: list[tuple[int, int
         counts = None
         if getattr(acceptance, "position_proposed", None) is not None:
             counts = (_as_list(acceptance.position_accepted), _as_list(acceptance.position_proposed))
-        return MethodResult(tokens, accepted, None, positions, _time_split(acceptance), counts)
+        depths = _as_list(getattr(acceptance, "tree_depths", None))  # per round, 0 for plain steps
+        depths = depths if depths and accepted and len(depths) == len(accepted) else None
+        return MethodResult(tokens, accepted, depths, positions, _time_split(acceptance), counts)
     if rounds:
         return MethodResult(tokens, [m + 1 for _, m in rounds], [c for c, _ in rounds])
     return MethodResult(tokens)

@@ -164,6 +164,7 @@ def summarize(records: list[PromptRecord], baseline: list[PromptRecord]) -> dict
         "speedup": {"median": _median(r.speedup for r in records),
                     "aggregate": round(aggregate / base_rate, 4) if base_rate > 0 else None},
         "mean_acceptance_length": _mean(lengths),
+        "mean_draft_depth": _mean(d for r in records for d in (r.result.drafted_lengths or ()) if d > 0),
         "identical_to_baseline": sum(1 for r in records if r.identical),
     }
 

@@ -5,10 +5,11 @@ CPU the cost grows with the number of nodes. This module
 
 1. measures the target's forward time ``t(n)`` for ``n`` tree nodes and the draft's step times once per
    model / device / dtype / threads, and caches the profile on disk ([`CostProfile`], [`load_or_measure_profile`]);
-2. picks, every round, how many of the drafted nodes to verify ([`TreeBudget`]): the draft's cumulative
-   probabilities, calibrated by the acceptance actually observed, give the expected accepted tokens of the best
-   ``n - 1`` nodes, and ``n`` maximises expected tokens per second; when no tree is predicted to beat plain decoding
-   the call falls back to plain decoding;
+2. picks, every round, which of the drafted nodes to verify and how deep to draft ([`TreeBudget`]): the draft's
+   cumulative probabilities, calibrated by the acceptance actually observed, give the expected accepted tokens of the
+   best ``n - 1`` nodes no deeper than ``d``, and ``(d, n)`` maximises expected tokens per second (drafting time
+   grows with ``d``, verification time with ``n``); the next round drafts one level deeper than the chosen ``d``.
+   When no tree is predicted to beat plain decoding the call falls back to plain decoding;
 3. replays recorded rounds under other shapes ([`simulate_shape`]) so ``poss tune`` can choose depth and size.
 """
 
@@ -197,18 +198,12 @@ def ranked_nodes(scores: torch.Tensor) -> torch.LongTensor:
     return torch.sort(scores[1:], descending=True, stable=True).indices + 1
 
 
-def expected_accepted(probabilities_sorted: torch.Tensor, calibration: float) -> torch.Tensor:
-    """Expected accepted draft tokens when the best ``m`` nodes are verified, for every ``m``: `[M + 1]` (m = 0..M)."""
-    cumulative = torch.cumsum(probabilities_sorted * calibration, dim=0)
-    return torch.cat([cumulative.new_zeros(1), cumulative])
-
-
 class TreeBudget:
-    """Chooses, each round, how many drafted nodes to verify; decides when speculation does not pay.
+    """Chooses, each round, how deep to draft and which drafted nodes to verify; decides when speculation does not pay.
 
     Args:
         profile: the machine's [`CostProfile`].
-        depth: drafted depth (for the drafting time).
+        depth: the deepest drafting depth allowed (the configured ``tree_depth``).
         max_nodes: upper bound on verified nodes (root included).
         warmup_rounds: rounds observed before a fallback to plain decoding may be decided.
         min_speedup: predicted speed-up under which speculation stops for the rest of the call.
@@ -224,8 +219,10 @@ class TreeBudget:
         self.observed = prior_weight  # calibration prior: the draft's probabilities are taken at face value
         self.predicted = prior_weight
         self.rounds = 0
-        self.predicted_tokens = 0.0
-        self.predicted_seconds = 0.0
+        self.tokens = 0  # tokens produced by the observed rounds (accepted draft tokens + 1 each)
+        self.predicted_seconds = 0.0  # their time under this machine's profile
+        self.chosen_depth = 0  # depth of the last round's kept nodes (0: root only)
+        self.next_depth = depth  # depth to draft next round
         sizes = torch.arange(1, max_nodes + 1)
         self._verify = torch.tensor([profile.verify(int(n)) for n in sizes], dtype=torch.float64)
         self.plain_rate = 1.0 / profile.verify(1)
@@ -234,35 +231,70 @@ class TreeBudget:
     def calibration(self) -> float:
         return self.observed / self.predicted
 
-    def choose(self, scores: torch.Tensor) -> tuple[torch.LongTensor, float]:
-        """Nodes to keep (root first, then the best nodes in tree order) and the predicted tokens per second."""
-        order = ranked_nodes(scores.double().cpu())
-        probs = scores.double().cpu()[order].exp()
-        count = min(self.max_nodes - 1, order.shape[0])
-        gain = expected_accepted(probs[:count], self.calibration) + 1.0  # [count + 1]
-        seconds = self.profile.draft(self.depth) + self._verify[: count + 1]
-        rate = gain / seconds
-        best = int(torch.argmax(rate))
-        keep = torch.sort(order[:best]).values
-        self._last = float(gain[best] - 1.0), float(probs[:best].sum())
-        self.predicted_tokens += float(gain[best])
-        self.predicted_seconds += float(seconds[best])
-        return torch.cat([torch.zeros(1, dtype=torch.long), keep]), float(rate[best])
+    def choose(self, scores: torch.Tensor, depths: torch.LongTensor | None = None,
+               drafted_depth: int | None = None) -> tuple[torch.LongTensor, float]:
+        """Nodes to keep (root first, then the best nodes in tree order) and the predicted tokens per second.
+
+        With ``depths`` the depth is chosen too: for every ``d`` up to the drafted depth, the best nodes no deeper than
+        ``d`` are costed with the drafting time of a depth-``d`` tree, and the (depth, nodes) pair with the highest
+        expected tokens per second wins. ``chosen_depth`` is then the depth of the kept nodes (0: root only) and
+        ``next_depth`` the depth to draft next round: one more than chosen, so that deeper trees are still probed,
+        at most ``self.depth``. A prefix of the score ranking restricted to depth ``<= d`` is still a tree (a child's
+        cumulative score never exceeds its parent's).
+
+        Args:
+            scores (`torch.Tensor` of shape `[n]`): cumulative draft log-probabilities, root first.
+            depths (`torch.LongTensor` of shape `[n]`, *optional*): node depths; without them every node is eligible
+                and drafting is costed at ``drafted_depth``.
+            drafted_depth: depth this round was drafted at (default ``self.depth``), for the time actually spent.
+        """
+        drafted = self.depth if drafted_depth is None else int(drafted_depth)
+        scores = scores.double().cpu()
+        order = ranked_nodes(scores)
+        probs = scores[order].exp()
+        if depths is None:
+            node_depths = torch.full_like(order, drafted)
+            candidates = torch.tensor([drafted])
+        else:
+            node_depths = depths.cpu()[order]
+            candidates = torch.arange(1, max(drafted, 1) + 1)
+        eligible = node_depths[None, :] <= candidates[:, None]  # [D, M]: node j of the ranking allowed at depth d
+        zero = torch.zeros(candidates.shape[0], 1, dtype=torch.long)
+        counts = torch.cat([zero, eligible.long().cumsum(1)], dim=1)  # [D, M + 1] nodes kept from a ranking prefix
+        raw = torch.cat([zero.double(), (probs[None, :] * eligible).cumsum(1)], dim=1)
+        gain = 1.0 + raw * self.calibration
+        draft_seconds = self.profile.draft_context_seconds + (candidates - 1).double() * self.profile.draft_step_seconds
+        rate = gain / (draft_seconds[:, None] + self._verify[counts.clamp(max=self.max_nodes - 1)])
+        rate = rate.masked_fill(counts > self.max_nodes - 1, float("-inf"))
+        best = int(torch.argmax(rate))  # ties: the shallower depth, then the shorter prefix
+        row, prefix = divmod(best, rate.shape[1])
+        kept = eligible[row, :prefix]
+        keep = torch.sort(order[:prefix][kept]).values
+        self.chosen_depth = int(node_depths[:prefix][kept].max()) if keep.numel() else 0
+        self.next_depth = max(1, min(self.depth, self.chosen_depth + 1))
+        self._last = float(raw[row, prefix]), self.profile.draft(drafted) + float(self._verify[keep.shape[0]])
+        return torch.cat([torch.zeros(1, dtype=torch.long), keep]), float(rate[row, prefix])
 
     def observe(self, accepted_draft_tokens: int) -> None:
-        """Update the calibration with the round just verified."""
-        _, raw = self._last
+        """Update the calibration and the speed record with the round just verified (after `choose`)."""
+        raw, seconds = self._last
         self.observed += accepted_draft_tokens
         self.predicted += raw
         self.rounds += 1
+        self.tokens += accepted_draft_tokens + 1
+        self.predicted_seconds += seconds
 
     def predicted_speedup(self) -> float:
+        """Speed of the rounds so far over plain decoding on this machine: the tokens they actually produced per
+        second of their profiled time (drafting at the drafted depth + verifying the kept nodes), over ``1 / t(1)``.
+        Acceptance is what the target really accepted, not the draft's estimate, so a draft that is over-confident
+        in the first rounds does not delay the fallback (the same measure `simulate_shape` replays)."""
         if self.predicted_seconds == 0:
             return float("inf")
-        return (self.predicted_tokens / self.predicted_seconds) / self.plain_rate
+        return (self.tokens / self.predicted_seconds) / self.plain_rate
 
     def should_fall_back(self) -> bool:
-        """After the warm-up rounds: is speculation predicted to be slower than plain decoding?"""
+        """After the warm-up rounds: is speculation slower than plain decoding (`predicted_speedup`)?"""
         return self.rounds >= self.warmup_rounds and self.predicted_speedup() < self.min_speedup
 
 

@@ -14,6 +14,9 @@ Each round of the loop:
    ``generate`` applies);
 4. `kv_cache.compact_cache` keeps only the accepted rows; the emitted tokens are appended one at a time through the
    stopping criteria, so generation stops exactly where plain ``generate`` would.
+
+With ``tree_total_tokens="auto"`` a fallback decided by the budget hands the rest of the call to transformers' own
+decoding loop (`handover.continue_with_stock_loop`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
+from .emitter import Emitter, first_token
+from .handover import continue_with_stock_loop
 from .kv_cache import (
     compact_cache,
     finish_cache_after_tree,
@@ -33,7 +38,7 @@ from .kv_cache import (
     tree_verification_mask,
 )
 from .modeling_poss import PosSDraftModel
-from .quantize import linear_weight
+from .quantize import linear_device
 from .tree import DraftTree
 from .validation import check_generation_config, check_inputs
 from .verification import AcceptanceStats, accept_tree
@@ -118,11 +123,20 @@ class PosSCandidateGenerator(CandidateGenerator):
         return PosSProposer(self.draft, depth=self.depth, top_k=self.top_k, total_tokens=self.total_tokens)
 
     def _shape_tree(self, tree: DraftTree) -> DraftTree:
-        """With an automatic budget, keep the nodes worth verifying on this machine."""
+        """With an automatic budget, keep the nodes worth verifying on this machine and set the next drafting depth
+        (one level deeper than the depth kept, see `budget.TreeBudget.choose`)."""
         if self.budget is None:
             return tree
-        keep, _ = self.budget.choose(tree.scores)
+        drafted = getattr(self.proposer, "depth", self.depth)
+        keep, _ = self.budget.choose(tree.scores, tree.depths, drafted_depth=drafted)
+        self.proposer.depth = self.budget.next_depth
         return tree.select(keep.to(tree.tokens.device))
+
+    def falls_back(self) -> bool:
+        """Whether the automatic budget has decided that speculation does not pay for the rest of the call."""
+        if self.budget is not None and not self.fell_back and self.budget.should_fall_back():
+            self.fell_back = True
+        return self.fell_back
 
     def observe(self, tree: DraftTree, accepted) -> None:
         """Feed a verified round back: calibrates the automatic budget; records rounds when asked."""
@@ -148,8 +162,7 @@ class PosSCandidateGenerator(CandidateGenerator):
         Returns:
             `(tree, None)`: the tree on the device of ``input_ids``; no candidate logits (the draft is deterministic).
         """
-        if self.budget is not None and (self.fell_back or self.budget.should_fall_back()):
-            self.fell_back = True  # speculation does not pay here: plain decoding steps for the rest of the call
+        if self.falls_back():  # the loop hands over to plain decoding; a root-only tree is a plain step
             return DraftTree.root_only(input_ids[0, -1]), None
         tree = self.proposer.propose(new_tokens.to(self.device), new_features.to(self.device))
         return self._shape_tree(tree).to(input_ids.device), None
@@ -160,7 +173,7 @@ def _lm_head_device(target) -> torch.device:
     head = target.get_output_embeddings()
     device = getattr(getattr(head, "_hf_hook", None), "execution_device", None)
     if device is None:
-        return linear_weight(head).device
+        return linear_device(head)
     return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
 
 
@@ -185,35 +198,6 @@ def limit_tree_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     """The subtree of nodes at depth ``<= max_depth`` (parents stay before children, so it is still a tree)."""
     keep = tree.depths <= max_depth
     return tree if bool(keep.all()) else tree.select(keep)
-
-
-class _Emitter:
-    """Appends tokens one at a time through the stopping criteria, streamer and score records of ``generate``."""
-
-    def __init__(self, input_ids, stopping_criteria, streamer, scores, raw_logits):
-        self.input_ids = input_ids
-        self.stopping_criteria = stopping_criteria
-        self.streamer = streamer
-        self.scores = scores
-        self.raw_logits = raw_logits
-        self.finished = False
-
-    def emit(self, tokens: torch.LongTensor, scores: torch.Tensor, raw_logits: torch.Tensor) -> int:
-        """Append ``tokens`` ([k]) until a stopping criterion fires; return how many were appended."""
-        count = 0
-        for i in range(tokens.shape[0]):
-            self.input_ids = torch.cat([self.input_ids, tokens[i : i + 1].view(1, 1)], dim=-1)
-            if self.scores is not None:
-                self.scores += (scores[i : i + 1],)
-            if self.raw_logits is not None:
-                self.raw_logits += (raw_logits[i : i + 1],)
-            count += 1
-            if bool(self.stopping_criteria(self.input_ids, self.scores).all()):
-                self.finished = True
-                break
-        if self.streamer is not None:
-            self.streamer.put(tokens[:count].view(1, -1).cpu())
-        return count
 
 
 def _mask_dtype(model) -> torch.dtype | None:
@@ -257,15 +241,6 @@ def _verify(model, tree: DraftTree, cache, root_position: int, context_mask):
     return outputs.logits[0], outputs.hidden_states[-1][0]
 
 
-def _first_token(logits, input_ids, logits_processor, do_sample):
-    scores = logits_processor(input_ids, logits)
-    if do_sample:
-        token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)[:, 0]
-    else:
-        token = scores.argmax(dim=-1)
-    return token, scores
-
-
 def _tree_assisted_decoding(
     self,
     input_ids: torch.LongTensor,
@@ -291,7 +266,7 @@ def _tree_assisted_decoding(
     do_sample = bool(generation_config.do_sample)
     return_dict = generation_config.return_dict_in_generate
     stats = AcceptanceStats()
-    emitter = _Emitter(
+    emitter = Emitter(
         input_ids,
         stopping_criteria,
         streamer,
@@ -315,11 +290,11 @@ def _tree_assisted_decoding(
     prepare_cache_for_tree(cache)
     logits = outputs.logits[:, -1].to(dtype=torch.float32, device=input_ids.device)
     del outputs
-    token, scores = _first_token(logits, input_ids, logits_processor, do_sample)
+    token, scores = first_token(logits, input_ids, logits_processor, do_sample)
     emitter.emit(token, scores, logits)
     new_tokens = torch.cat([input_ids[:, 1:], token[:, None]], dim=-1)
 
-    while not emitter.finished:
+    while not emitter.finished and not candidate_generator.falls_back():
         clock = time.perf_counter()
         tree, _ = candidate_generator.get_candidates(emitter.input_ids, new_tokens, new_features)
         budget = generation_config.max_length - emitter.input_ids.shape[1]
@@ -335,7 +310,7 @@ def _tree_assisted_decoding(
 
         clock = time.perf_counter()
         accepted = accept_tree(tree, logits, emitter.input_ids, logits_processor, do_sample)
-        stats.record(accepted.num_accepted, accepted.proposed_next)
+        stats.record(accepted.num_accepted, accepted.proposed_next, depth=tree.max_depth)
         candidate_generator.observe(tree, accepted)
         stats.add_time("acceptance", time.perf_counter() - clock)
 
@@ -349,9 +324,12 @@ def _tree_assisted_decoding(
         new_tokens = accepted.tokens[None]
         new_features = features[accepted.path.to(features.device)][None]
 
-    finish_cache_after_tree(cache)
     stats.rounds = candidate_generator.rounds
     stats.fell_back_to_plain = candidate_generator.fell_back
+    if not emitter.finished:  # the budget fell back: transformers' own loop finishes the call
+        return continue_with_stock_loop(self, emitter, stats, cache, input_ids.shape[1], logits_processor,
+                                        stopping_criteria, generation_config, synced_gpus, streamer, model_kwargs)
+    finish_cache_after_tree(cache)
     if streamer is not None:
         streamer.end()
     if not return_dict:

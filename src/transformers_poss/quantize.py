@@ -78,6 +78,13 @@ def linear_weight(module: nn.Module) -> torch.Tensor:
     return weight
 
 
+def linear_device(module: nn.Module) -> torch.device:
+    """The device of a linear's weight, without unpacking it (an [`Int8Linear`] is not dequantized)."""
+    if isinstance(module, Int8Linear):
+        return module.weight_int8_t.device
+    return linear_weight(module).device
+
+
 def linear_bias(module: nn.Module) -> torch.Tensor | None:
     bias = getattr(module, "bias", None)
     return bias() if callable(bias) else bias

@@ -192,6 +192,12 @@ class AcceptanceStats:
         rounds (`list`): per-round trees and accepted paths (`budget.RoundRecord`), when recording was asked for.
         fell_back_to_plain (`bool`): the automatic budget found that speculation does not pay on this machine and
             finished the call with plain decoding steps.
+        plain_steps (`int`): decoding steps run by transformers' own loop after such a fallback (single-row loop).
+            Each is one target forward producing one token, so each is also counted as a round of length 1 in
+            ``accepted_lengths`` (``mean_acceptance_length`` stays tokens per target forward).
+        tree_depths (`list[int]`): single-row loop only, aligned with ``accepted_lengths``: the depth of the tree
+            verified in that round (with ``tree_total_tokens="auto"`` the depth the budget chose; 0 for a root-only
+            round or a plain step after a fallback).
     """
 
     accepted_lengths: list[int] = field(default_factory=list)
@@ -200,10 +206,14 @@ class AcceptanceStats:
     timings: dict[str, float] = field(default_factory=dict)
     rounds: list = field(default_factory=list)
     fell_back_to_plain: bool = False
+    plain_steps: int = 0
+    tree_depths: list[int] = field(default_factory=list)
 
-    def record(self, num_accepted: int, proposed_next: bool) -> None:
-        """Add one round that accepted ``num_accepted`` draft tokens."""
+    def record(self, num_accepted: int, proposed_next: bool, depth: int | None = None) -> None:
+        """Add one round that accepted ``num_accepted`` draft tokens (from a tree of ``depth``, when given)."""
         self.accepted_lengths.append(num_accepted + 1)
+        if depth is not None:
+            self.tree_depths.append(depth)
         reached = num_accepted + (1 if proposed_next else 0)
         while len(self.position_proposed) < reached:
             self.position_proposed.append(0)
@@ -212,6 +222,12 @@ class AcceptanceStats:
             self.position_proposed[i] += 1
         for i in range(num_accepted):
             self.position_accepted[i] += 1
+
+    def record_plain_steps(self, count: int) -> None:
+        """Add ``count`` steps of plain decoding (one token per target forward, nothing drafted)."""
+        self.plain_steps += count
+        self.accepted_lengths += [1] * count
+        self.tree_depths += [0] * count
 
     def add_time(self, phase: str, seconds: float) -> None:
         self.timings[phase] = self.timings.get(phase, 0.0) + seconds
@@ -248,4 +264,6 @@ class AcceptanceStats:
             out.timings[phase] = self.timings.get(phase, 0.0) + other.timings.get(phase, 0.0)
         out.rounds = self.rounds + other.rounds
         out.fell_back_to_plain = self.fell_back_to_plain or other.fell_back_to_plain
+        out.plain_steps = self.plain_steps + other.plain_steps
+        out.tree_depths = self.tree_depths + other.tree_depths
         return out
