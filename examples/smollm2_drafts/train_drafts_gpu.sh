@@ -4,6 +4,7 @@
 # the same features with the same recipe (recipe.yaml plus larger batches and more epochs).
 #
 #   bash examples/smollm2_drafts/train_drafts_gpu.sh                # defaults below; override with VAR=value
+#   BUDGET_SECONDS=0 KINDS="hass poss1 poss2 poss3" bash examples/smollm2_drafts/train_drafts_gpu.sh   # equal epochs
 #
 # Every training run stops at the budget's end and saves what it has (training.max_train_minutes); the drafts land
 # in runs/smollm2-gpu-KIND/final. Benchmark them on the CPU with train_drafts.sh --bench-only (edit the paths).
@@ -17,7 +18,7 @@ GEN_BATCH=${GEN_BATCH:-1024}        # answers generated together
 DATA_MINUTES=${DATA_MINUTES:-3.5}   # cap on the data stage
 EPOCHS=${EPOCHS:-8}
 BATCH=${BATCH:-32}
-BUDGET_SECONDS=${BUDGET_SECONDS:-480}   # whole script, data to saved drafts
+BUDGET_SECONDS=${BUDGET_SECONDS:-480}   # whole script, data to saved drafts; 0: no limit (every draft runs EPOCHS)
 KINDS=(${KINDS:-eagle2 hass poss1 poss2 poss3})
 EXTRA=(${EXTRA:-})                  # more --set overrides for every training run (e.g. training.max_steps=2)
 RECIPE=examples/smollm2_drafts/recipe.yaml
@@ -33,9 +34,13 @@ echo "== features ($(date -u +%T))"
 $PY -m transformers_poss train --config "$RECIPE" --stage features --set device="$DEVICE" \
   --set features_batch_size=64 --set output_dir=runs/smollm2-gpu-features
 
-left=$(( BUDGET_SECONDS - ($(date +%s) - START) - 60 ))   # 60 s for start-up, evaluation and saving
-minutes=$(awk -v s="$left" 'BEGIN { m = s / 60; if (m < 0.5) m = 0.5; printf "%.2f", m }')
-echo "== training ${KINDS[*]} side by side, $EPOCHS epochs or $minutes minutes ($(date -u +%T))"
+if [ "$BUDGET_SECONDS" -gt 0 ]; then
+  left=$(( BUDGET_SECONDS - ($(date +%s) - START) - 60 ))   # 60 s for start-up, evaluation and saving
+  minutes=$(awk -v s="$left" 'BEGIN { m = s / 60; if (m < 0.5) m = 0.5; printf "%.2f", m }')
+else
+  minutes=null   # equal epochs for every draft
+fi
+echo "== training ${KINDS[*]} side by side, $EPOCHS epochs, time limit: $minutes minutes ($(date -u +%T))"
 pids=()
 export TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1   # TF32 matmuls for training only; data and features stay exact fp32
 for kind in "${KINDS[@]}"; do
