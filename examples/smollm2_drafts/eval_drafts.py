@@ -14,7 +14,7 @@ import torch
 
 from transformers_poss import PosSDraftModel
 from transformers_poss.embedded import load_target
-from transformers_poss.training.features import FeatureShardDataset, PosSDataCollator
+from transformers_poss.training.features import FeatureShardDataset, PosSDataCollator, batch_to
 from transformers_poss.training.objective import ObjectiveConfig, set_objective
 from transformers_poss.training.trainer import evaluate_draft
 
@@ -36,14 +36,13 @@ def main():
     collate = PosSDataCollator(pad_token_id=tokenizer.pad_token_id or 0)
     batches = [collate([dataset[i] for i in range(s, min(len(dataset), s + args.batch_size))])
                for s in range(0, len(dataset), args.batch_size)]
-    prepare = lambda b: {k: v.to(args.device) if torch.is_tensor(v) else v for k, v in b.items()}  # noqa: E731
     results = {}
     for spec in args.drafts:
         label, folder = spec.split("=", 1)
         draft = PosSDraftModel.from_pretrained(folder).float().to(args.device).eval().attach_target(target)
         set_objective(draft, ObjectiveConfig(num_steps=args.depth, noise="none"))
         with torch.no_grad():
-            metrics = evaluate_draft(draft, batches, prepare)
+            metrics = evaluate_draft(draft, batches, lambda b: batch_to(b, args.device))
         results[label] = metrics
         print(f"{label:10s} acc " + " ".join(f"{metrics[f'acc_{d}']:.3f}" for d in range(1, args.depth + 1))
               + "  accept " + " ".join(f"{metrics[f'accept_{d}']:.3f}" for d in range(1, args.depth + 1))

@@ -263,7 +263,7 @@ class TreeBudget:
         counts = torch.cat([zero, eligible.long().cumsum(1)], dim=1)  # [D, M + 1] nodes kept from a ranking prefix
         raw = torch.cat([zero.double(), (probs[None, :] * eligible).cumsum(1)], dim=1)
         gain = 1.0 + raw * self.calibration
-        draft_seconds = self.profile.draft_context_seconds + (candidates - 1).double() * self.profile.draft_step_seconds
+        draft_seconds = torch.tensor([self.profile.draft(int(d)) for d in candidates], dtype=torch.float64)  # [D]
         rate = gain / (draft_seconds[:, None] + self._verify[counts.clamp(max=self.max_nodes - 1)])
         rate = rate.masked_fill(counts > self.max_nodes - 1, float("-inf"))
         best = int(torch.argmax(rate))  # ties: the shallower depth, then the shorter prefix

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from .data import pair_loss_mask
 
-__all__ = ["TargetFeatures", "PosSDataCollator", "draft_inputs", "write_feature_shards", "FeatureShardDataset"]
+__all__ = ["TargetFeatures", "PosSDataCollator", "batch_to", "draft_inputs", "write_feature_shards", "FeatureShardDataset"]
 
 INDEX_FILE = "features.json"
 
@@ -41,6 +41,11 @@ class TargetFeatures:
     def __call__(self, tokens: torch.LongTensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """`[B, L]` tokens (right-padded) -> `[B, L, H]` features."""
         return self.decoder(input_ids=tokens, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+
+def batch_to(batch: dict, device) -> dict:
+    """A collated batch with its tensors moved to ``device`` (other entries unchanged)."""
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def draft_inputs(tokens, loss_mask, features, pad_token_id: int = 0) -> dict:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from .features import PosSDataCollator, TargetFeatures, draft_inputs
+from .features import PosSDataCollator, TargetFeatures, batch_to, draft_inputs
 from .objective import ObjectiveConfig, set_objective
 
 __all__ = [
@@ -130,8 +130,7 @@ class PositionAccuracyCallback(TrainerCallback):
 
     def _run(self, state, model):
         device = next(model.parameters()).device
-        prepare = lambda b: {k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()}  # noqa: E731
-        metrics = evaluate_draft(model, self.batches, prepare, self._with_features)
+        metrics = evaluate_draft(model, self.batches, lambda b: batch_to(b, device), self._with_features)
         record = {f"{self.prefix}_{k}": v for k, v in metrics.items()} | {"step": state.global_step}
         self.history.append(record)
         state.log_history.append(record)
