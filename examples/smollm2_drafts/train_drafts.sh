@@ -46,7 +46,8 @@ if [ "$MODE" != bench ]; then
   if [ ! -f "$BASE/config.json" ]; then
     echo "== stage 1: EAGLE-2 from random weights -> $BASE"
     poss train "${COMMON[@]}" --set output_dir="$RUNS/smollm2-eagle2" --set draft.num_specialists=1 \
-      --set draft.positions_per_specialist=1 --set training.num_train_epochs=8
+      --set draft.positions_per_specialist=1 --set draft.init_from=null --set training.learning_rate=1.0e-3 \
+      --set training.warmup_steps=50 --set training.fc_learning_rate_scale=1.0 --set training.num_train_epochs=8
     mkdir -p "$BASE" && cp "$RUNS/smollm2-eagle2/final/"* "$BASE/"
   fi
   echo "== features (computed once, shared by every draft)"
