@@ -10,13 +10,13 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from transformers_poss import batched_cache, batched_generation, verification
-from transformers_poss.batched_cache import BatchLayout, relayout_index
-from transformers_poss.batched_generation import batch_total_tokens
-from transformers_poss.batched_proposer import BatchedPosSProposer
 from transformers_poss.generation import PosSGenerateOutput
-from transformers_poss.proposer import PosSProposer
-from transformers_poss.tree import BatchedTree
+from transformers_poss.generation import batched as batched_generation
+from transformers_poss.generation.batched import batch_total_tokens
+from transformers_poss.speculation import acceptance, target_cache
+from transformers_poss.speculation.drafter import PosSProposer
+from transformers_poss.speculation.masks import BatchLayout, relayout_index
+from transformers_poss.speculation.tree import BatchedTree
 from test_generation import (  # noqa: F401 - sampling_target is a fixture
     SMALL_VOCAB,
     VOCAB,
@@ -99,7 +99,7 @@ class PerRowProposer:
     def relayout(self, index, positions):
         pass
 
-    def propose(self, valid, positions, depth=None):
+    def propose_batch(self, valid, positions, depth=None):
         self.batch_sizes.append(len(self.rows))
         trees = []
         for r in self.rows:
@@ -191,9 +191,9 @@ def test_batched_proposer_drafts_each_rows_own_tree():
     with torch.no_grad():
         features = target.model(ids, attention_mask=mask).last_hidden_state
     roots = torch.tensor([[5], [9], [17]])
-    batched = BatchedPosSProposer(draft, depth=4, top_k=3, total_tokens=12)
+    batched = PosSProposer(draft, depth=4, top_k=3, total_tokens=12)
     batched.append(torch.cat([ids[:, 1:], roots], 1), features, layout.valid)
-    trees = batched.propose(layout.valid, layout.positions)
+    trees = batched.propose_batch(layout.valid, layout.positions)
     for b, prompt in enumerate(prompts):
         with torch.no_grad():
             row_features = target.model(prompt).last_hidden_state
@@ -215,25 +215,25 @@ def test_batched_proposer_relayout_and_row_drop_keep_the_trees():
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(3, VOCAB, (3, 4), generator=gen)
     block = (torch.randn(3, 4, 64, generator=gen), torch.tensor([1, 4, 2]))
-    proposers = [BatchedPosSProposer(draft, depth=4, top_k=3, total_tokens=10) for _ in range(2)]
+    proposers = [PosSProposer(draft, depth=4, top_k=3, total_tokens=10) for _ in range(2)]
     for proposer in proposers:
         proposer.append(torch.cat([ids[:, 1:], tokens[:, :1]], 1), features, layout.valid)
-        proposer.propose(layout.valid, layout.positions)  # the specialists cache the prompt
+        proposer.propose_batch(layout.valid, layout.positions)  # the specialists cache the prompt
     grown = layout.append(block[1], 4)
     valid_new = torch.arange(4)[None] >= 4 - block[1][:, None]
     for proposer in proposers:
         proposer.append(tokens, block[0], valid_new)
-    expected = proposers[0].propose(grown.valid, grown.positions)
+    expected = proposers[0].propose_batch(grown.valid, grown.positions)
     index = relayout_index(grown.valid, min_holes=1, min_fraction=0.0)
     assert index is not None and index.shape[1] < grown.valid.shape[1]
     proposers[1].relayout(index, grown.positions)
     compact = grown.gather(index)
-    trees = proposers[1].propose(compact.valid, compact.positions)
+    trees = proposers[1].propose_batch(compact.valid, compact.positions)
     for b in range(3):
         assert trees.row(b)[0].paths() == expected.row(b)[0].paths()
     rows = torch.tensor([0, 2])
     proposers[1].select_rows(rows)
-    fewer = proposers[1].propose(compact.valid[rows], compact.positions[rows])
+    fewer = proposers[1].propose_batch(compact.valid[rows], compact.positions[rows])
     assert [fewer.row(i)[0].paths() for i in range(2)] == [expected.row(b)[0].paths() for b in (0, 2)]
 
 
@@ -362,7 +362,7 @@ def test_sampling_keeps_each_rows_target_distribution(monkeypatch, sampling_targ
 def test_broken_acceptance_rule_fails_the_batched_test(monkeypatch, sampling_target):
     target = sampling_target
     use_row_proposers(monkeypatch, lambda: [TargetTopKProposer(target, p) for p in SAMPLING_PROMPTS])
-    monkeypatch.setattr(verification, "rejection_sample_children", broken_rejection)
+    monkeypatch.setattr(acceptance, "rejection_sample_children", broken_rejection)
     torch.manual_seed(0)
     counts, _ = batched_sample_counts(target, SAMPLING_PROMPTS, RUNS)
     joint = exact_joint(target, SAMPLING_PROMPTS[0], LogitsProcessorList())
@@ -374,7 +374,7 @@ def test_layout_refuses_right_padding():
         BatchLayout.from_attention_mask(torch.tensor([[1, 1, 0], [1, 1, 1]]))
     layout = BatchLayout.from_attention_mask(torch.tensor([[0, 1, 1], [1, 1, 1]]))
     assert layout.root_positions.tolist() == [2, 3]
-    assert batched_cache.full_layer_cache().layers == []
+    assert target_cache.full_layer_cache().layers == []
 
 
 # ---------------------------------------------------------------- real target (slow, marked integration)

@@ -7,11 +7,12 @@ import pytest
 import torch
 from helpers import tiny_llama
 
-from transformers_poss import bench_cli, cli
+from transformers_poss import cli
+from transformers_poss.cli import bench as bench_cli
 from transformers_poss.bench import build_report, finish, load_questions, mismatch_report, render, run_methods
-from transformers_poss.bench_methods import (GenerationSettings, Method, MethodResult, Prompt, baseline_method,
+from transformers_poss.bench.methods import (GenerationSettings, Method, MethodResult, Prompt, baseline_method,
                                              prompt_lookup_method, record_candidate_rounds, result_from_generate)
-from transformers_poss.bench_metrics import (PromptRecord, first_mismatch, position_acceptance, summarize,
+from transformers_poss.bench.metrics import (PromptRecord, first_mismatch, position_acceptance, summarize,
                                              time_split)
 
 
@@ -82,7 +83,7 @@ def test_report_layout_and_lossless_methods(model, prompts):
 
 
 def test_chain_assistant_method(model, prompts):
-    from transformers_poss.bench_methods import assistant_method
+    from transformers_poss.bench.methods import assistant_method
 
     assistant = tiny_llama(vocab_size=128, hidden_size=16, layers=1, seed=5)
     methods = [baseline_method(model), assistant_method("assistant:tiny", model, assistant, "tiny")]
@@ -262,7 +263,7 @@ def test_cli_bench_with_a_draft_folder(tiny_target_dir, model, tmp_path):
 
 
 def test_cli_bench_int8_target(tiny_target_dir, tmp_path, monkeypatch):
-    from transformers_poss import quantize
+    from transformers_poss.quantization import int8 as quantize
 
     quantized = []
     original = quantize.apply_quantization
@@ -329,7 +330,7 @@ def test_tree_draft_method_and_sweep(model, prompts, monkeypatch, tmp_path):
 
     monkeypatch.setenv("POSS_CACHE", str(tmp_path))  # the automatic budget measures and caches a cost profile
 
-    from transformers_poss.bench_methods import draft_method
+    from transformers_poss.bench.methods import draft_method
 
     draft = tiny_draft(model)
     own_shape = (draft.generation_config.tree_depth, draft.generation_config.tree_total_tokens)

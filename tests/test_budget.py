@@ -3,7 +3,7 @@
 import torch
 
 from helpers import tiny_draft, tiny_llama
-from transformers_poss.budget import (
+from transformers_poss.generation.budget import (
     CostProfile,
     RoundRecord,
     TreeBudget,
@@ -108,7 +108,7 @@ def test_auto_budget_in_generate_measures_once_and_stays_lossless(tmp_path, monk
 
 
 def test_auto_budget_falls_back_when_speculation_cannot_pay(tmp_path, monkeypatch):
-    from transformers_poss import budget as budget_module
+    from transformers_poss.generation import budget as budget_module
 
     # a machine where drafting is very expensive: no tree can pay for itself
     expensive = _profile({1: 1.0, 64: 2.0}, draft=50.0)
@@ -179,8 +179,8 @@ def test_depth_is_chosen_with_the_nodes():
 
 
 def test_auto_budget_chooses_the_drafting_depth(monkeypatch):
-    from transformers_poss import budget as budget_module
-    from transformers_poss.proposer import PosSProposer
+    from transformers_poss.generation import budget as budget_module
+    from transformers_poss.speculation.drafter import PosSProposer
 
     # flat verification, expensive drafting steps: depth-1 trees pay, deeper levels do not
     profile = CostProfile(key="k", verify_seconds={1: 1.0, 64: 1.0}, draft_context_seconds=0.01,

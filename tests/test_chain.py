@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-from transformers_poss import generation
-from transformers_poss.budget import RoundRecord, best_children, chain_nodes, simulate_shape, truncated_accepted
-from transformers_poss.budget import CostProfile
-from transformers_poss.exact_attention import use_exact_attention
-from transformers_poss.proposer import PosSProposer
-from transformers_poss.tree import BatchedTree, DraftTree, is_chain
+from transformers_poss import use_exact_attention
+from transformers_poss.generation import loop, target_forward
+from transformers_poss.generation.budget import (CostProfile, RoundRecord, best_children, chain_nodes, simulate_shape,
+                                                truncated_accepted)
+from transformers_poss.speculation.drafter import PosSProposer
+from transformers_poss.speculation.tree import BatchedTree, DraftTree, is_chain
 from test_batched_generation import assert_rows_identical, left_pad, row_prompts, use_row_proposers
 from test_generation import (  # noqa: F401 - sampling_target is a fixture
     SMALL_VOCAB,
@@ -73,13 +73,13 @@ def speculate(target, draft, prompt, **kwargs):
 def spy_trees(monkeypatch):
     """Record every tree the single-row loop verifies (after its cut to the remaining token budget)."""
     trees = []
-    verify = generation._verify
+    verify = loop.verify_tree
 
     def recording(model, tree, *args, **kwargs):
         trees.append(tree)
         return verify(model, tree, *args, **kwargs)
 
-    monkeypatch.setattr(generation, "_verify", recording)
+    monkeypatch.setattr(loop, "verify_tree", recording)
     return trees
 
 
@@ -348,10 +348,10 @@ def test_recorded_rounds_carry_parents_for_chain_replay():
     assert result["kind"] == "chain" and result["mean_acceptance_length"] >= 1.0
 
 
-def test_generation_monkeypatch_target_exists():
-    assert hasattr(generation, "chain_attention_mask")
-    assert generation.chain_attention_mask(3, None) is None
-    mask = generation.chain_attention_mask(2, torch.tensor([False, True, True]))
+def test_chain_attention_mask():
+    assert hasattr(loop, "verify_tree")  # the name spy_trees replaces
+    assert target_forward.chain_attention_mask(3, None) is None
+    mask = target_forward.chain_attention_mask(2, torch.tensor([False, True, True]))
     assert mask.tolist() == [[0, 1, 1, 1, 1]]
 
 
@@ -359,7 +359,7 @@ def test_generation_monkeypatch_target_exists():
 
 
 def test_tune_candidates_include_chains_and_a_chain_can_win():
-    from transformers_poss.cli_tune import DEPTHS, candidate_shapes
+    from transformers_poss.cli.tune import DEPTHS, candidate_shapes
 
     records = [_record([0, 1, 4, 6]), _record([0, 1, 4, 6]), _record([0, 2, 5])]
     steep = _profile({1: 1.0, 2: 1.2, 4: 1.4, 64: 64.0}, draft=0.01)  # every extra node costs: a chain is best
@@ -380,7 +380,7 @@ def test_tune_candidates_include_chains_and_a_chain_can_win():
 def test_bench_sweep_adds_one_chain_per_depth(monkeypatch):
     import argparse
 
-    from transformers_poss import bench_cli
+    from transformers_poss.cli import bench as bench_cli
 
     target = tiny_llama_target()
     draft = make_draft(target)
@@ -398,7 +398,7 @@ def test_bench_sweep_adds_one_chain_per_depth(monkeypatch):
 
 
 def test_tune_measures_the_chosen_chain_as_a_chain(monkeypatch):
-    from transformers_poss.cli_tune import measure
+    from transformers_poss.cli.tune import measure
 
     target = tiny_llama_target()
     draft = make_draft(target, depth=4, top_k=4, total=16)

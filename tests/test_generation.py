@@ -17,7 +17,9 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
 
 import transformers_poss
-from transformers_poss import PosSDraftConfig, PosSDraftModel, generation, verification
+from transformers_poss import PosSDraftConfig, PosSDraftModel, generation
+from transformers_poss.generation import hook
+from transformers_poss.speculation import acceptance
 from transformers_poss.generation import PosSCandidateGenerator, PosSGenerateOutput
 from tree_testing import (
     OracleProposer,
@@ -360,7 +362,7 @@ def test_broken_acceptance_rule_fails_the_same_test(monkeypatch, sampling_target
     target = sampling_target
     prompt = torch.tensor([[1, 5, 2, 7]])
     use_proposer(monkeypatch, lambda gen: TargetTopKProposer(target, prompt))
-    monkeypatch.setattr(verification, "rejection_sample_children", broken_rejection)
+    monkeypatch.setattr(acceptance, "rejection_sample_children", broken_rejection)
     torch.manual_seed(0)
     counts, _ = sample_counts(target, make_draft(target, depth=2, top_k=3, total=8), prompt, RUNS)
     joint = exact_joint(target, prompt, LogitsProcessorList())
@@ -452,7 +454,7 @@ def test_other_assistants_keep_the_stock_path(llama_and_draft, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("the tree loop must not run for this assistant")
 
-    monkeypatch.setattr(generation, "_tree_assisted_decoding", fail)
+    monkeypatch.setattr(hook, "tree_assisted_decoding", fail)
     prompt = prompts(1)[0]
     expected = target.generate(prompt, max_new_tokens=10, do_sample=False)
     small_lm = tiny_llama_target(seed=7, layers=1)
@@ -466,9 +468,9 @@ def test_hook_is_installed_on_import_and_reversible(llama_and_draft):
     target, draft = llama_and_draft
     prompt = prompts(1)[0]
     assert generation.is_tree_generation_enabled()
-    original = generation._ORIGINALS["_assisted_decoding"]
+    original = hook._ORIGINALS["_assisted_decoding"]
     generation.enable_tree_generation()  # idempotent
-    assert generation._ORIGINALS["_assisted_decoding"] is original
+    assert hook._ORIGINALS["_assisted_decoding"] is original
     generation.disable_tree_generation()
     try:
         assert not generation.is_tree_generation_enabled()

@@ -122,7 +122,7 @@ def test_smollm2_auto_budget_hands_over_to_plain_decoding(quantize, monkeypatch)
     from transformers.generation.utils import GenerationMixin
 
     from transformers_poss import quantize_int8
-    from transformers_poss.budget import TreeBudget
+    from transformers_poss.generation.budget import TreeBudget
 
     target, tokenizer = _load("smollm2-135m-instruct")  # a fresh copy: quantized in place
     draft = _draft(target, TRAINED_DRAFT)

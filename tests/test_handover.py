@@ -8,8 +8,8 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
 
 from test_generation import exact_joint, make_draft, prompts, sample_counts, sampling_p_values, use_proposer
-from transformers_poss import budget as budget_module
-from transformers_poss.budget import CostProfile, TreeBudget
+from transformers_poss.generation import budget as budget_module
+from transformers_poss.generation.budget import CostProfile, TreeBudget
 from tree_testing import (
     OracleProposer,
     TargetTopKProposer,

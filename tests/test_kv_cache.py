@@ -2,13 +2,13 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache
 
-from transformers_poss.kv_cache import (
+from transformers_poss.speculation.masks import tree_verification_mask
+from transformers_poss.speculation.target_cache import (
     UnsupportedCacheError,
     check_cache_supported,
     compact_cache,
     finish_cache_after_tree,
     prepare_cache_for_tree,
-    tree_verification_mask,
 )
 from tree_testing import one_thread  # noqa: F401 - autouse fixture
 from tree_testing import random_tree, tiny_gemma3_target, tiny_llama_target

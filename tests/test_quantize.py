@@ -9,7 +9,7 @@ from transformers.cache_utils import DynamicCache
 
 from test_generation import assert_same, make_draft, prompts
 from transformers_poss import Int8Linear, quantize_int8, use_exact_attention
-from transformers_poss.quantize import has_int8_activations, is_batch_variant, linear_device, linear_weight
+from transformers_poss.quantization.int8 import has_int8_activations, is_batch_variant, linear_device, linear_weight
 from tree_testing import tiny_gemma3_target, tiny_llama_target
 
 

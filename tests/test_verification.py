@@ -2,8 +2,8 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TopKLogitsWarper
 
-from transformers_poss.verification import (
-    AcceptanceStats,
+from transformers_poss.speculation.stats import AcceptanceStats
+from transformers_poss.speculation.acceptance import (
     accept_tree,
     greedy_accept,
     rejection_sample_children,

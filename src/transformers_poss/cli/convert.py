@@ -12,13 +12,21 @@ def add_arguments(parser) -> None:
                         help="N of PosS-N; read from 'PosS<N>' in the source name when omitted")
 
 
+def convert_official(repo_id_or_folder: str, output_dir: str, target=None, positions_per_specialist=None, **kwargs) -> str:
+    """Convert an official checkpoint to this library's format (``save_pretrained`` folder); returns ``output_dir``."""
+    from ..modeling_poss import PosSDraftModel
+
+    model = PosSDraftModel.from_official(repo_id_or_folder, target=target, positions_per_specialist=positions_per_specialist,
+                                         **kwargs)  # fmt: skip
+    model.save_pretrained(output_dir)
+    return output_dir
+
+
 def run(args) -> int:
-    from .official import convert_official
+    from .loaders import load_target
 
     target = None
     if args.target:
-        from .embedded import load_target
-
         target, _ = load_target(args.target)
     out = convert_official(args.source, args.output, target=target, positions_per_specialist=args.positions_per_specialist)
     print(f"wrote {out}")

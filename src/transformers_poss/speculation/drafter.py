@@ -1,27 +1,41 @@
-"""Batched drafting: the EAGLE-2 dynamic tree with position specialists for B rows at once.
+"""Drafting: the EAGLE-2 dynamic tree with position specialists, for B >= 1 rows, with per-specialist caches kept
+across rounds.
 
-Same algorithm as `proposer.PosSProposer`, with a batch dimension everywhere. The draft's context columns are the
-target cache's columns: column ``j`` holds the pair (f_j, x_{j+1}) whose feature f_j is target column ``j``, so the
-pair is valid exactly where the target column is, at the same position (see `batched_cache.BatchLayout`). The layout
-is owned by the generation loop and passed in; row drops and re-layouts are applied here with the same indices.
-Every row's tree has the same node count, so no tree padding is needed on the draft side.
+One `PosSProposer` drafts one tree per row; a single sequence is a batch of one. The draft's context columns mirror
+the target cache's columns: column ``j`` holds the pair (f_j, x_{j+1}) whose feature f_j is target column ``j``, so
+the pair is valid exactly where the target column is, at the same position (see `masks.BatchLayout`). Only new pairs
+are processed each round: every specialist keeps its own keys/values of the context and catches up (a key/value
+projection, no attention) when it is first used in a round.
+
+Two entry points:
+
+- ``propose(input_ids, target_hidden_states)``: rows without holes (a single sequence, or B unpadded rows of one
+  length); the proposer keeps the positions itself. Returns a `DraftTree` for one row, a `BatchedTree` for more.
+- ``append(tokens, features)`` then ``propose_batch(valid, positions)``: the batched loop, which owns the layout (holes,
+  positions) and applies row drops and re-layouts with `select_rows` / `relayout`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .modeling_poss import PosSDraftCache
-from .proposer import _RoundState
-from .tree import BatchedTree, batched_ancestor_mask
+from .draft_cache import PosSDraftCache
+from .tree import BatchedTree, DraftTree, batched_ancestor_mask
 
 
-class _BatchedRoundState(_RoundState):
+class _RoundState:
     """Tree rows fed to the draft during one round, for B rows: fused inputs `[B, R, H]`, positions `[B, R]`,
-    ancestry `[B, R, R]` among them; keys/values per specialist as in the single-row state."""
+    ancestry `[B, R, R]` among them, and each specialist's keys/values of them."""
+
+    def __init__(self):
+        self.hidden: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.ancestry: torch.Tensor | None = None
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # specialist -> (keys, values, rows done)
 
     def add(self, hidden, positions, parent_rows: torch.LongTensor | None):
-        """Append `[B, k, H]` inputs at `[B, k]` positions whose parents are rows `[B, k]` ``parent_rows``."""
+        """Append `[B, k, H]` inputs at `[B, k]` positions whose parents are rows `[B, k]` ``parent_rows`` (None:
+        the first layer, children of the roots)."""
         batch, k, _ = hidden.shape
         eye = torch.eye(k, dtype=torch.bool, device=hidden.device).expand(batch, k, k)
         if self.hidden is None:
@@ -34,16 +48,34 @@ class _BatchedRoundState(_RoundState):
         self.hidden = torch.cat([self.hidden, hidden], dim=1)
         self.positions = torch.cat([self.positions, positions], dim=1)
 
+    def keys_values(self, specialist: int, layer, draft):
+        """Keys/values of every fed row under ``specialist`` (only rows not yet projected are computed)."""
+        keys, values, done = self.kv.get(specialist, (None, None, 0))
+        total = self.hidden.shape[1]
+        if done < total:
+            hidden = self.hidden[:, done:]
+            new_k, new_v = layer.project_kv(hidden, draft.position_embeddings(hidden, self.positions[:, done:]))
+            keys = new_k if keys is None else torch.cat([keys, new_k], dim=-2)
+            values = new_v if values is None else torch.cat([values, new_v], dim=-2)
+            self.kv[specialist] = (keys, values, total)
+        return keys, values
 
-class BatchedPosSProposer:
-    """Drafts one tree per row for B rows with a [`PosSDraftModel`].
+
+class PosSProposer:
+    """Drafts one tree per row with a [`PosSDraftModel`].
 
     Args:
         draft: the draft, attached to its target.
-        depth, top_k, total_tokens: tree shape (``total_tokens`` per row; may be changed between rounds).
+        depth (`int`): draft tokens on the longest path (paper's depth); may be changed between rounds.
+        top_k (`int`): children expanded per frontier node, and frontier width.
+        total_tokens (`int`): nodes per row in the returned trees, root included; may be changed between rounds.
     """
 
     def __init__(self, draft, depth: int, top_k: int, total_tokens: int):
+        if depth < 1 or top_k < 1 or total_tokens < 2:
+            raise ValueError(
+                f"Tree shape needs depth >= 1, top_k >= 1 and total_tokens >= 2; got {depth}, {top_k}, {total_tokens}."
+            )
         self.draft = draft
         drafting_vocab = draft.config.draft_vocab_size or draft.config.vocab_size
         self.depth, self.top_k, self.total_tokens = depth, min(top_k, drafting_vocab), total_tokens
@@ -51,17 +83,22 @@ class BatchedPosSProposer:
         self.hidden: torch.Tensor | None = None  # [B, L, H] fused context pairs
         self.roots: torch.LongTensor | None = None  # [B] token of each row's last pair (the next root)
 
+    @property
+    def context_length(self) -> int:
+        return 0 if self.hidden is None else self.hidden.shape[1]
+
     # ------------------------------------------------------------------ context
     @torch.no_grad()
-    def append(self, tokens: torch.LongTensor, features: torch.Tensor, valid: torch.BoolTensor) -> None:
-        """New pair columns: tokens x_{t+1} `[B, m]`, target features f_t `[B, m, H]`, `[B, m]` which are real (the
-        last column is real for every row)."""
+    def append(self, tokens: torch.LongTensor, features: torch.Tensor, valid: torch.BoolTensor | None = None) -> None:
+        """New pair columns: tokens x_{t+1} `[B, m]` and target features f_t `[B, m, H]`; the last column is real for
+        every row. ``valid`` (`[B, m]`, which new columns are real) is part of the interface for proposers that keep
+        per-row state; the draft reads validity from the layout passed to `propose_batch`."""
         hidden = self.draft.fuse(tokens, features)
         self.hidden = hidden if self.hidden is None else torch.cat([self.hidden, hidden], dim=1)
         self.roots = tokens[:, -1]
 
     def _catch_up(self, specialist: int, positions: torch.LongTensor):
-        """Project the columns ``specialist`` has not seen into its cache (`positions`: `[B, L]`); return its keys
+        """Project the columns ``specialist`` has not seen into its cache (``positions``: `[B, L]`); return its keys
         and values `[B, kv_heads, L, head_dim]`."""
         seen = self.cache.get_seq_length(specialist)
         if seen < self.hidden.shape[1]:
@@ -74,17 +111,14 @@ class BatchedPosSProposer:
     def select_rows(self, rows: torch.LongTensor) -> None:
         """Keep only batch rows ``rows`` (`[B']`)."""
         self.hidden, self.roots = self.hidden[rows], self.roots[rows]
-        for s, keys in enumerate(self.cache.keys):
-            if keys is not None:
-                self.cache.keys[s], self.cache.values[s] = keys[rows], self.cache.values[s][rows]
+        self.cache.select_rows(rows)
 
     def relayout(self, index: torch.LongTensor, positions: torch.LongTensor) -> None:
         """Row ``b`` keeps columns ``index[b]`` (`[B, L']`); ``positions`` (`[B, L]`) is the layout before."""
         for s, keys in enumerate(self.cache.keys):
             if keys is not None:
-                keys, values = self._catch_up(s, positions)
-                gather = index[:, None, :, None].expand(keys.shape[0], keys.shape[1], index.shape[1], keys.shape[3])
-                self.cache.keys[s], self.cache.values[s] = keys.gather(2, gather), values.gather(2, gather)
+                self._catch_up(s, positions)
+                self.cache.gather_columns(s, index)
         self.hidden = self.hidden.gather(1, index[..., None].expand(-1, -1, self.hidden.shape[2]))
 
     def _top_k(self, features: torch.Tensor):
@@ -95,12 +129,33 @@ class BatchedPosSProposer:
 
     # ------------------------------------------------------------------ tree
     @torch.no_grad()
-    def propose(self, valid: torch.BoolTensor, positions: torch.LongTensor, depth: int | None = None) -> BatchedTree:
+    def propose(self, input_ids: torch.LongTensor, target_hidden_states: torch.Tensor) -> DraftTree | BatchedTree:
+        """Append the new context pairs of rows without holes and draft a tree after them.
+
+        Args:
+            input_ids (`[B, m]`): tokens x_{t+1} of the new pairs; ``input_ids[:, -1]`` are the roots.
+            target_hidden_states (`[B, m, H]`): target features f_t of the same pairs.
+
+        Returns:
+            a `DraftTree` (with ``scores``) for a single row, else a `BatchedTree`.
+        """
+        self.append(input_ids, target_hidden_states)
+        batch, length = self.hidden.shape[:2]
+        positions = torch.arange(length, device=self.hidden.device)[None].expand(batch, length)
+        valid = torch.ones(batch, length, dtype=torch.bool, device=self.hidden.device)
+        trees = self.propose_batch(valid, positions)
+        return trees.single() if batch == 1 else trees
+
+    @torch.no_grad()
+    def propose_batch(self, valid: torch.BoolTensor, positions: torch.LongTensor, depth: int | None = None):
         """Draft one tree per row after the appended pairs.
 
         Args:
             valid, positions (`[B, L]`): the context layout (L = columns appended so far).
             depth: tree depth this round (default: the configured depth); 0 gives root-only trees.
+
+        Returns:
+            a `BatchedTree` of ``min(total_tokens, nodes drafted)`` nodes per row, root first, with ``scores``.
         """
         depth = self.depth if depth is None else min(depth, self.depth)
         depth = min(depth, self.total_tokens - 1)  # a kept node is never deeper than the node budget
@@ -123,7 +178,7 @@ class BatchedPosSProposer:
         frontier_features = root_feature[:, None].expand(batch, k, -1)
         frontier_pool = torch.arange(k, device=device)[None].expand(batch, k)
         frontier_rows = None
-        state = _BatchedRoundState()
+        state = _RoundState()
         pool_size = k
         context_mask = valid[:, None, :].expand(batch, k, -1)
 
@@ -162,7 +217,10 @@ class BatchedPosSProposer:
         )
 
     def _select(self, pool_tokens, pool_scores, pool_parents, pool_depths) -> BatchedTree:
-        """Per row, keep the ``total_tokens - 1`` best candidates (`[B, P]`) by cumulative score; add the roots."""
+        """Per row, keep the ``total_tokens - 1`` best candidates (`[B, P]`) by cumulative score; add the roots.
+
+        A stable sort keeps a parent before a child of equal score, so the kept nodes always form a tree.
+        """
         batch, size = pool_tokens.shape
         device = pool_tokens.device
         keep = min(self.total_tokens - 1, size)
@@ -176,5 +234,6 @@ class BatchedPosSProposer:
         parents = torch.cat([torch.full((batch, 1), -1, dtype=torch.long, device=device), parents], dim=1)
         tokens = torch.cat([self.roots[:, None].to(device), pool_tokens.gather(1, kept)], dim=1)
         depths = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=device), pool_depths[kept]], dim=1)
+        scores = torch.cat([torch.zeros(batch, 1, device=device), pool_scores.gather(1, kept)], dim=1)
         valid = torch.ones(batch, keep + 1, dtype=torch.bool, device=device)
-        return BatchedTree(tokens, parents, depths, batched_ancestor_mask(parents), valid)
+        return BatchedTree(tokens, parents, depths, batched_ancestor_mask(parents), valid, scores)

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .._transformers_compat import attn_implementation
+
 DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
@@ -96,7 +98,7 @@ def profile_key(target, draft=None, top_k: int | None = None) -> str:
         str(torch.get_num_threads()),
         torch.__version__,
         type(head).__name__,
-        str(config._attn_implementation),
+        str(attn_implementation(config)),
     ]
     if draft is not None:
         parts += [str(draft.config.num_specialists), str(draft.config.draft_vocab_size), str(top_k),
@@ -142,7 +144,7 @@ def measure_verify_seconds(target, sizes=DEFAULT_SIZES, context_length: int = 12
 @torch.no_grad()
 def measure_draft_seconds(draft, top_k: int, context_length: int = 128, repeats: int = 5) -> tuple[float, float]:
     """(context step, further step) drafting times: trees of depth 1 and 3 after a 2-pair context update."""
-    from .proposer import PosSProposer
+    from ..speculation.drafter import PosSProposer
 
     device = draft.fc.weight.device if isinstance(getattr(draft.fc, "weight", None), torch.Tensor) else torch.device("cpu")
     hidden = draft.config.hidden_size
@@ -161,7 +163,7 @@ def measure_draft_seconds(draft, top_k: int, context_length: int = 128, repeats:
 
 
 def cache_dir() -> str:
-    from .embedded import cache_root
+    from ..targets.embedded import cache_root
 
     path = os.path.join(str(cache_root()), "costs")
     os.makedirs(path, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The `poss` command: a thin dispatcher over subcommands.
+"""The `poss` command: a thin dispatcher over subcommands (shared loaders: `loaders`).
 
 Each subcommand lives in its own module, imported only when that subcommand runs. A module provides
 ``add_arguments(parser)`` and ``run(args) -> int`` (the exit status); adding a subcommand is one entry in
@@ -14,12 +14,12 @@ import sys
 
 # name -> (module implementing it, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("transformers_poss.cli_demo", "stream answers with the shipped draft; plain vs speculative speed"),
-    "generate": ("transformers_poss.cli_generate", "generate text with a target, optionally with a PosS draft"),
-    "bench": ("transformers_poss.bench", "measure acceptance and speed-up of decoding methods side by side"),
-    "convert": ("transformers_poss.cli_convert", "convert an official PosS / EAGLE / HASS checkpoint"),
-    "tune": ("transformers_poss.cli_tune", "choose the tree shape for this machine (cost curve + replay)"),
-    "vocab": ("transformers_poss.cli_vocab", "give a draft a reduced drafting vocabulary (no retraining)"),
+    "demo": ("transformers_poss.cli.demo", "stream answers with the shipped draft; plain vs speculative speed"),
+    "generate": ("transformers_poss.cli.generate", "generate text with a target, optionally with a PosS draft"),
+    "bench": ("transformers_poss.cli.bench", "measure acceptance and speed-up of decoding methods side by side"),
+    "convert": ("transformers_poss.cli.convert", "convert an official PosS / EAGLE / HASS checkpoint"),
+    "tune": ("transformers_poss.cli.tune", "choose the tree shape for this machine (cost curve + replay)"),
+    "vocab": ("transformers_poss.cli.vocab", "give a draft a reduced drafting vocabulary (no retraining)"),
     "train": ("transformers_poss.training.cli", "train a PosS / EAGLE-2 / HASS draft for a target"),
 }
 

@@ -18,7 +18,9 @@ import time
 
 import torch
 
-from .kv_cache import finish_cache_after_tree
+from .._transformers_compat import extend_model_kwargs, sample, set_mask_length
+from ..speculation.target_cache import finish_cache_after_tree
+from .outputs import PosSGenerateOutput
 
 
 def continue_with_stock_loop(model, emitter, stats, cache, prompt_length: int, logits_processor, stopping_criteria,
@@ -39,8 +41,6 @@ def continue_with_stock_loop(model, emitter, stats, cache, prompt_length: int, l
         What ``generate`` returns: the sequences, or a `PosSGenerateOutput` whose ``scores`` / ``logits`` are the tree
         part's followed by the stock part's.
     """
-    from .generation import PosSGenerateOutput
-
     input_ids = emitter.input_ids
     if cache.get_seq_length() != input_ids.shape[1] - 1:
         raise RuntimeError("the target cache must hold every token but the last one at the hand-over")
@@ -49,13 +49,12 @@ def continue_with_stock_loop(model, emitter, stats, cache, prompt_length: int, l
     kwargs["cache"] = cache
     kwargs["use_cache"] = True
     # attention mask, position ids, token type ids: extended by the emitted tokens as plain decoding would have
-    kwargs = model._update_model_kwargs_for_generation({}, kwargs, num_new_tokens=input_ids.shape[1] - prompt_length)
+    kwargs = extend_model_kwargs(model, kwargs, num_new_tokens=input_ids.shape[1] - prompt_length)
     config = copy.copy(generation_config)
     if kwargs.get("attention_mask") is None:
-        config._mask_length = input_ids.shape[1]  # without a mask, `_prefill` slices the inputs by this length
+        set_mask_length(config, input_ids.shape[1])  # without a mask, `_prefill` slices the inputs by this length
     start = time.perf_counter()
-    out = model._sample(input_ids, logits_processor, stopping_criteria, config, synced_gpus=synced_gpus,
-                        streamer=streamer, **kwargs)  # fmt: skip
+    out = sample(model, input_ids, logits_processor, stopping_criteria, config, synced_gpus, streamer, **kwargs)
     stats.add_time("plain_decoding", time.perf_counter() - start)
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
     stats.record_plain_steps(sequences.shape[1] - input_ids.shape[1])

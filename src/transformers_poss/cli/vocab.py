@@ -42,9 +42,9 @@ def corpus_texts(paths):
 def run(args) -> int:
     import torch
 
-    from .embedded import load_target
-    from .modeling_poss import PosSDraftModel
-    from .vocab import build_token_map, count_text_tokens, set_token_map, special_token_ids
+    from ..modeling_poss import PosSDraftModel
+    from .loaders import load_target
+    from ..vocab import build_token_map, count_text_tokens, set_token_map, special_token_ids
 
     _, tokenizer = load_target(args.target)
     counts = count_text_tokens(corpus_texts(args.corpus), tokenizer)

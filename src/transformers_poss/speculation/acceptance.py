@@ -16,11 +16,11 @@ over all nodes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .tree import DraftTree
+from .tree import BatchedTree, DraftTree
 
 
 @dataclass
@@ -47,31 +47,17 @@ class TreeAcceptance:
         return int(self.path.shape[0]) - 1
 
 
-def _has_children(parents: torch.LongTensor, node: int) -> bool:
-    return bool((parents == node).any().item())
-
-
 def greedy_accept(tree: DraftTree, logits: torch.FloatTensor) -> TreeAcceptance:
-    """Greedy acceptance without logits processors, fully vectorised.
+    """Greedy acceptance without logits processors: `batched_greedy_accept` of a batch of one.
 
     Args:
         tree: the verified tree (``n`` nodes).
         logits (`torch.FloatTensor` of shape `[n, vocab]`): target logits at every node.
     """
-    argmax = logits.argmax(dim=-1)  # [n]
-    parents = tree.parents
-    # node i matches when its token is the target's choice after its parent; the root always matches
-    match = tree.tokens == argmax[parents.clamp(min=0)]
-    match[0] = True
-    # a node is reachable when it and all its ancestors match
-    reachable = ~(tree.tree_mask & ~match[None, :]).any(dim=-1)
-    depth_if_reachable = torch.where(reachable, tree.depths, torch.full_like(tree.depths, -1))
-    best = int(depth_if_reachable.argmax().item())
-    path = tree.tree_mask[best].nonzero().squeeze(-1)  # ancestors come before descendants: index order = depth order
-    tokens = torch.cat([tree.tokens[path[1:]], argmax[best : best + 1]])
-    return TreeAcceptance(
-        path=path, tokens=tokens, scores=logits[path], proposed_next=_has_children(parents, best)
-    )
+    accepted = batched_greedy_accept(tree.as_batch(), logits[None])
+    path = accepted.index[0]
+    return TreeAcceptance(path=path, tokens=accepted.tokens[0], scores=logits[path],
+                          proposed_next=bool(accepted.proposed_next[0]))  # fmt: skip
 
 
 def rejection_sample_children(
@@ -171,99 +157,100 @@ def accept_tree(
     if not do_sample and (logits_processor is None or len(logits_processor) == 0):
         return greedy_accept(tree, logits.float())
     if logits_processor is None:
-        logits_processor = _identity
+        logits_processor = identity_processor
     return sequential_accept(tree, logits, prefix_ids, logits_processor, do_sample, generator)
 
 
-def _identity(input_ids, scores):
+def identity_processor(input_ids, scores):
     return scores
 
 
 @dataclass
-class AcceptanceStats:
-    """Acceptance of a tree-speculative generation, one entry per verification round.
+class BatchAcceptance:
+    """Accepted paths of B rows, right-aligned to a common width ``m = max_b(counts[b])``.
 
     Attributes:
-        accepted_lengths (`list[int]`): tokens produced per round, i.e. accepted draft tokens + 1 (the bonus token).
-        position_accepted (`list[int]`): at index ``i``, rounds whose draft token at position ``i + 1`` was accepted.
-        position_proposed (`list[int]`): at index ``i``, rounds that proposed a draft token at position ``i + 1``
-            after accepting positions ``1..i``.
-        timings (`dict[str, float]`): seconds spent per phase (drafting, verification, acceptance, cache_update).
-        rounds (`list`): per-round trees and accepted paths (`budget.RoundRecord`), when recording was asked for.
-        fell_back_to_plain (`bool`): the automatic budget found that speculation does not pay on this machine and
-            finished the call with plain decoding steps.
-        plain_steps (`int`): decoding steps run by transformers' own loop after such a fallback (single-row loop).
-            Each is one target forward producing one token, so each is also counted as a round of length 1 in
-            ``accepted_lengths`` (``mean_acceptance_length`` stays tokens per target forward).
-        tree_depths (`list[int]`): single-row loop only, aligned with ``accepted_lengths``: the depth of the tree
-            verified in that round (with ``tree_total_tokens="auto"`` the depth the budget chose; 0 for a root-only
-            round or a plain step after a fallback).
+        index (`torch.LongTensor` of shape `[B, m]`): row ``b``'s root and accepted nodes in its last ``counts[b]``
+            columns, in depth order (earlier columns repeat the root, 0).
+        tokens (`torch.LongTensor` of shape `[B, m]`): the tokens emitted by row ``b`` (accepted draft tokens then the
+            bonus token) in its last ``counts[b]`` columns. ``tokens[b, j]`` follows node ``index[b, j]``.
+        counts (`torch.LongTensor` of shape `[B]`): tokens emitted per row (accepted draft tokens + 1).
+        proposed_next (`torch.BoolTensor` of shape `[B]`): the last accepted node had a valid child.
     """
 
-    accepted_lengths: list[int] = field(default_factory=list)
-    position_accepted: list[int] = field(default_factory=list)
-    position_proposed: list[int] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
-    rounds: list = field(default_factory=list)
-    fell_back_to_plain: bool = False
-    plain_steps: int = 0
-    tree_depths: list[int] = field(default_factory=list)
-
-    def record(self, num_accepted: int, proposed_next: bool, depth: int | None = None) -> None:
-        """Add one round that accepted ``num_accepted`` draft tokens (from a tree of ``depth``, when given)."""
-        self.accepted_lengths.append(num_accepted + 1)
-        if depth is not None:
-            self.tree_depths.append(depth)
-        reached = num_accepted + (1 if proposed_next else 0)
-        while len(self.position_proposed) < reached:
-            self.position_proposed.append(0)
-            self.position_accepted.append(0)
-        for i in range(reached):
-            self.position_proposed[i] += 1
-        for i in range(num_accepted):
-            self.position_accepted[i] += 1
-
-    def record_plain_steps(self, count: int) -> None:
-        """Add ``count`` steps of plain decoding (one token per target forward, nothing drafted)."""
-        self.plain_steps += count
-        self.accepted_lengths += [1] * count
-        self.tree_depths += [0] * count
-
-    def add_time(self, phase: str, seconds: float) -> None:
-        self.timings[phase] = self.timings.get(phase, 0.0) + seconds
+    index: torch.LongTensor
+    tokens: torch.LongTensor
+    counts: torch.LongTensor
+    proposed_next: torch.BoolTensor
 
     @property
-    def num_rounds(self) -> int:
-        return len(self.accepted_lengths)
+    def width(self) -> int:
+        return int(self.index.shape[1])
 
     @property
-    def accepted_draft_tokens(self) -> list[int]:
-        """Accepted draft tokens per round (``accepted_lengths`` without the +1)."""
-        return [n - 1 for n in self.accepted_lengths]
+    def valid(self) -> torch.BoolTensor:
+        """`[B, m]` columns that hold a row's node / token."""
+        return torch.arange(self.width, device=self.counts.device)[None] >= (self.width - self.counts)[:, None]
 
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens per target verification forward, bonus token included (+1 convention); 0.0 before any round."""
-        if not self.accepted_lengths:
-            return 0.0
-        return sum(self.accepted_lengths) / len(self.accepted_lengths)
 
-    @property
-    def position_acceptance(self) -> list[float]:
-        """Rate at draft position ``i + 1`` given positions ``1..i`` accepted (index 0 = position 1)."""
-        return [a / p if p else 0.0 for a, p in zip(self.position_accepted, self.position_proposed)]
+def _has_valid_child(tree: BatchedTree, nodes: torch.LongTensor) -> torch.BoolTensor:
+    """`[B]`: node ``nodes[b]`` of row ``b`` has a valid child."""
+    return ((tree.parents == nodes[:, None]) & tree.valid).any(dim=1)
 
-    def merge(self, other: "AcceptanceStats") -> "AcceptanceStats":
-        """Combine two runs (e.g. over many prompts) into a new object."""
-        out = AcceptanceStats(accepted_lengths=self.accepted_lengths + other.accepted_lengths)
-        size = max(len(self.position_proposed), len(other.position_proposed))
-        for name in ("position_accepted", "position_proposed"):
-            a, b = getattr(self, name), getattr(other, name)
-            setattr(out, name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(size)])
-        for phase in set(self.timings) | set(other.timings):
-            out.timings[phase] = self.timings.get(phase, 0.0) + other.timings.get(phase, 0.0)
-        out.rounds = self.rounds + other.rounds
-        out.fell_back_to_plain = self.fell_back_to_plain or other.fell_back_to_plain
-        out.plain_steps = self.plain_steps + other.plain_steps
-        out.tree_depths = self.tree_depths + other.tree_depths
-        return out
+
+def batched_greedy_accept(tree: BatchedTree, logits: torch.Tensor) -> BatchAcceptance:
+    """Greedy acceptance without processors, vectorised over rows and nodes (`logits`: `[B, n, vocab]`)."""
+    argmax = logits.argmax(dim=-1)  # [B, n]
+    parent_choice = argmax.gather(1, tree.parents.clamp(min=0))
+    match = (tree.tokens == parent_choice) & tree.valid
+    match[:, 0] = True
+    reachable = ~(tree.tree_mask & ~match[:, None, :]).any(dim=-1)  # [B, n]
+    depth_if_reachable = torch.where(reachable, tree.depths, torch.full_like(tree.depths, -1))
+    best = depth_if_reachable.argmax(dim=1)  # [B] deepest reachable node (first of equal depth)
+    rows = torch.arange(tree.tokens.shape[0], device=logits.device)
+    on_path = tree.tree_mask[rows, best]  # [B, n]
+    counts = on_path.sum(dim=1)
+    width = int(counts.max().item())
+    nodes = torch.arange(tree.num_nodes, device=logits.device)[None]
+    index = torch.sort(torch.where(on_path, nodes, -1), dim=1).values[:, -width:].clamp(min=0)  # right-aligned
+    bonus = argmax[rows, best]
+    tokens = torch.cat([tree.tokens.gather(1, index)[:, 1:], bonus[:, None]], dim=1)
+    return BatchAcceptance(index, tokens, counts, _has_valid_child(tree, best))
+
+
+def per_row_accept(
+    tree: BatchedTree, logits: torch.Tensor, prefixes: list[torch.LongTensor], processors: list, do_sample: bool
+) -> BatchAcceptance:
+    """Row-by-row `sequential_accept` (sampling, or greedy with processors).
+
+    Args:
+        tree: the verified trees; logits (`[B, n, vocab]`): raw target logits at every node.
+        prefixes: per row, `[1, L_b]` the row's sequence up to and including its root (left padding included, as
+            ``generate`` shows it to processors in a batch).
+        processors: per row, its logits processors (`row_processors`).
+    """
+    paths, emitted, proposed = [], [], []
+    for b, prefix in enumerate(prefixes):
+        row_tree, kept = tree.row(b)
+        accepted = sequential_accept(row_tree, logits[b, kept], prefix, processors[b], do_sample)
+        paths.append(kept[accepted.path.to(kept.device)])
+        emitted.append(accepted.tokens)
+        proposed.append(accepted.proposed_next)
+    counts = torch.tensor([p.shape[0] for p in paths], device=logits.device)
+    width = int(counts.max().item())
+    index = torch.zeros(len(paths), width, dtype=torch.long, device=logits.device)
+    tokens = torch.zeros_like(index)
+    for b, (path, row_tokens) in enumerate(zip(paths, emitted)):
+        index[b, width - path.shape[0] :] = path
+        tokens[b, width - path.shape[0] :] = row_tokens.to(tokens.device)
+    return BatchAcceptance(index, tokens, counts, torch.tensor(proposed, device=logits.device))
+
+
+def accept_batch(tree: BatchedTree, logits, prefixes, processors, do_sample=False) -> BatchAcceptance:
+    """Vectorised greedy when no processor applies (``processors`` None), else row by row.
+
+    ``prefixes``: a callable giving the rows' sequences (only built when needed); ``processors``: one per row.
+    """
+    if not do_sample and processors is None:
+        return batched_greedy_accept(tree, logits.float())
+    return per_row_accept(tree, logits, prefixes(), processors, do_sample)

@@ -1,13 +1,13 @@
 """Tree speculative decoding for a batch of B > 1 left-padded prompts, lossless per row.
 
-``generate(**batch, assistant_model=draft)`` with B > 1 rows lands here (`generation._tree_assisted_decoding` keeps
-its single-row loop for B = 1). Each round:
+``generate(**batch, assistant_model=draft)`` with B > 1 rows lands here (`loop.tree_assisted_decoding` keeps its
+single-row loop for B = 1). It runs on the same speculation core as B = 1. Each round:
 
-1. `BatchedPosSProposer` drafts one tree per row (batched: one draft pass per tree depth for all rows);
+1. `speculation.drafter.PosSProposer` drafts one tree per row (one draft pass per tree depth for all rows);
 2. ONE target forward verifies all rows' trees (`[B, n]` nodes; a row's nodes deeper than its remaining token budget
-   are invalid: computed, never accepted), with per-row 4D masks and position ids (`batched_cache`); chains on a
-   full-attention target take the plain causal path (2D mask) instead;
-3. each row accepts its own path (`batched_acceptance`);
+   are invalid: computed, never accepted), with per-row 4D masks and position ids (`speculation.masks`); chains on a
+   full-attention target take the plain causal path (2D mask) instead (`target_forward.verify_batch`);
+3. each row accepts its own path (`speculation.acceptance.accept_batch`);
 4. the accepted nodes are kept right-aligned in ``m = max_b(accepted_b + 1)`` new cache columns, holes masked;
 5. each row's tokens go through the stopping criteria one at a time; finished rows leave the batch (target cache,
    layout and draft caches), and holes shared by all rows are dropped when worthwhile.
@@ -17,23 +17,22 @@ Sequences come back like stock batched ``generate``: prompts as given, finished 
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
+from transformers import LogitsProcessorList
 
-from .batched_acceptance import accept_batch, row_processors
-from .batched_cache import (
-    BatchLayout,
-    batched_attention_mask,
-    full_layer_cache,
-    gather_cache_columns,
-    keep_accepted,
-    relayout_index,
-    select_cache_rows,
-)
-from .batched_proposer import BatchedPosSProposer
-from .tree import BatchedTree
-from .verification import AcceptanceStats
+from .._transformers_compat import pad_token_tensor
+from ..configuration_poss import DEFAULT_TREE_SHAPE
+from ..speculation.acceptance import accept_batch, identity_processor
+from ..speculation.drafter import PosSProposer
+from ..speculation.masks import BatchLayout, relayout_index
+from ..speculation.stats import AcceptanceStats
+from ..speculation.target_cache import full_layer_cache, gather_cache_columns, keep_accepted, select_cache_rows
+from .candidate_generator import place_draft, tree_shape
+from .outputs import PosSGenerateOutput
+from .target_forward import prefill_batch, verify_batch
 
 
 def batch_total_tokens(total_tokens: int, top_k: int, batch_size: int) -> int:
@@ -48,7 +47,7 @@ def batch_total_tokens(total_tokens: int, top_k: int, batch_size: int) -> int:
 
 def make_batched_proposer(draft, depth: int, top_k: int, total_tokens: int):
     """The drafting object of the batched loop (tests replace it with scripted proposers)."""
-    return BatchedPosSProposer(draft, depth=depth, top_k=top_k, total_tokens=total_tokens)
+    return PosSProposer(draft, depth=depth, top_k=top_k, total_tokens=total_tokens)
 
 
 class _Rows:
@@ -80,53 +79,27 @@ class _Rows:
         return self.ids[:, : max(self.lengths)]
 
 
-def _mask_dtype(model):
-    return None if model.config._attn_implementation == "sdpa" else model.dtype
+# processor attributes that hold one entry per batch row (sliced to the row for row-by-row acceptance)
+BATCH_ATTRIBUTES = ("prompt_ignore_length",)
 
 
-def _forward(model, input_ids, masks, position_ids, cache, logits_to_keep):
-    device = model.device
-    masks = {k: v.to(device) for k, v in masks.items()} if isinstance(masks, dict) else masks.to(device)
-    kwargs = {"logits_to_keep": logits_to_keep} if model._supports_logits_to_keep() else {}
-    out = model(input_ids=input_ids.to(device), attention_mask=masks, position_ids=position_ids.to(device),
-                cache=cache, use_cache=True, output_hidden_states=True, return_dict=True, **kwargs)  # fmt: skip
-    return out.logits, out.hidden_states[-1]
-
-
-def _prefill(model, input_ids, layout: BatchLayout, cache):
-    """Prompt forward: last-position logits `[B, V]` and every prompt column's features `[B, T, H]`."""
-    batch, length = input_ids.shape
-    causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
-    block = (causal[None] & layout.valid[:, None, :]) | torch.eye(length, dtype=torch.bool, device=input_ids.device)
-    empty = BatchLayout(layout.valid[:, :0], layout.positions[:, :0])
-    config = model.config.get_text_config()
-    masks = batched_attention_mask(config, empty, block, layout.positions, _mask_dtype(model))
-    logits, features = _forward(model, input_ids, masks, layout.positions, cache, 1)
-    return logits[:, -1], features
-
-
-def _causal_path_ok(config) -> bool:
-    """Whether transformers' own causal mask is right on the batched cache: full attention only (a sliding window
-    is applied by cache column there, and columns are not positions once the cache has holes)."""
-    layer_types = getattr(config, "layer_types", None)
-    if not layer_types:  # no per-layer types: transformers applies a configured window to every layer
-        return getattr(config, "sliding_window", None) is None
-    return all(layer_type == "full_attention" for layer_type in layer_types)
-
-
-def _verify(model, tree: BatchedTree, layout: BatchLayout, cache):
-    """ONE target forward over every row's tree: logits `[B, n, V]` and post-norm features `[B, n, H]`.
-
-    When every row's tree is a chain and the target has full-attention layers only, the plain causal path is used:
-    a 2D mask (each row's valid cache columns, then ones) from which transformers builds its causal mask.
-    """
-    positions = layout.root_positions[:, None] + tree.depths
-    config = model.config.get_text_config()
-    if tree.is_chain and _causal_path_ok(config):
-        masks = torch.cat([layout.valid, layout.valid.new_ones(tree.tokens.shape)], dim=1).long()
-    else:
-        masks = batched_attention_mask(config, layout, tree.tree_mask, positions, _mask_dtype(model))
-    return _forward(model, tree.tokens, masks, positions, cache, 0)
+def row_processors(logits_processor, batch_size: int) -> list:
+    """One processor list per row: batch-shaped state (e.g. the repetition penalty's per-row padding length) sliced
+    to that row, so a processor sees a `[1, L]` row exactly as it sees that row inside the batch."""
+    if logits_processor is None or len(logits_processor) == 0:
+        return [identity_processor] * batch_size
+    rows = []
+    for b in range(batch_size):
+        processors = []
+        for processor in logits_processor:
+            for name in BATCH_ATTRIBUTES:
+                value = getattr(processor, name, None)
+                if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] == batch_size:
+                    processor = copy.copy(processor)
+                    setattr(processor, name, value[b : b + 1])
+            processors.append(processor)
+        rows.append(LogitsProcessorList(processors))
+    return rows
 
 
 def batched_tree_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, draft,
@@ -137,7 +110,7 @@ def batched_tree_decoding(model, input_ids, logits_processor, stopping_criteria,
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     layout = BatchLayout.from_attention_mask(attention_mask.to(input_ids.device))
-    pad = generation_config._pad_token_tensor
+    pad = pad_token_tensor(generation_config)
     rows = _Rows(input_ids, stopping_criteria, generation_config.max_length, 0 if pad is None else int(pad.item()))
     stats = AcceptanceStats()
     per_row = None  # processors per original row; None: vectorised greedy acceptance
@@ -146,7 +119,7 @@ def batched_tree_decoding(model, input_ids, logits_processor, stopping_criteria,
     cache = full_layer_cache()
     proposer = make_batched_proposer(draft, depth, top_k, batch_total_tokens(total_tokens, top_k, input_ids.shape[0]))
 
-    logits, features = _prefill(model, input_ids, layout, cache)
+    logits, features = prefill_batch(model, input_ids, layout, cache)
     scores = logits_processor(input_ids, logits.float().to(input_ids.device))
     if do_sample:
         first = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)[:, 0]
@@ -179,12 +152,12 @@ def batched_tree_decoding(model, input_ids, logits_processor, stopping_criteria,
 
         clock = time.perf_counter()
         budgets = torch.tensor([generation_config.max_length - rows.lengths[r] for r in active.tolist()], device=device)
-        tree = proposer.propose(layout.valid, layout.positions, depth=int(budgets.max()) - 1)
+        tree = proposer.propose_batch(layout.valid, layout.positions, depth=int(budgets.max()) - 1)
         tree = tree.limit_depth(budgets - 1)
         stats.add_time("drafting", time.perf_counter() - clock)
 
         clock = time.perf_counter()
-        logits, features = _verify(model, tree, layout, cache)
+        logits, features = verify_batch(model, tree, layout, cache)
         stats.add_time("verification", time.perf_counter() - clock)
 
         clock = time.perf_counter()
@@ -212,9 +185,6 @@ def batched_tree_decoding(model, input_ids, logits_processor, stopping_criteria,
 def generate_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, draft,
                    model_kwargs: dict):  # fmt: skip
     """`generate` with a PosS draft and B > 1 rows: sequences `[B, T']`, or a `PosSGenerateOutput`."""
-    from .generation import (DEFAULT_TREE_SHAPE, PosSGenerateOutput, _draft_device, _lm_head_device, _match_dtype,
-                             tree_shape)
-
     return_dict = generation_config.return_dict_in_generate
     if streamer is not None:
         raise ValueError("Streamers take one sequence: tree speculation with a streamer needs batch size 1.")
@@ -223,10 +193,7 @@ def generate_batch(model, input_ids, logits_processor, stopping_criteria, genera
     depth, top_k, total = tree_shape(draft)
     if total == "auto":  # the measured budget is single-row; batches share the paper's default instead
         total = DEFAULT_TREE_SHAPE["tree_total_tokens"]
-    device = _lm_head_device(model)
-    if _draft_device(draft) != device:
-        draft.to(device)
-    _match_dtype(draft, model)
+    place_draft(draft, model)
     sequences, stats = batched_tree_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                              draft, depth, top_k, total, model_kwargs)  # fmt: skip
     return PosSGenerateOutput(sequences=sequences, acceptance=stats) if return_dict else sequences

@@ -55,9 +55,7 @@ def run(args) -> int:
     import transformers_poss  # noqa: F401  (makes generate() tree-aware)
     from transformers import TextStreamer
 
-    from .bench import encode_prompt
-    from .bench_cli import load_draft, quantized
-    from .embedded import load_target, uses_chat_template
+    from .loaders import encode_prompt, load_draft, load_target, quantized, uses_chat_template
 
     if args.threads:
         torch.set_num_threads(args.threads)

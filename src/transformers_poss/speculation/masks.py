@@ -1,15 +1,15 @@
-"""The target's KV cache and attention masks when B > 1 rows are verified together.
+"""Attention masks of a verification forward, and the layout of a batch in the target cache.
 
-Layout: every row shares one cache length ``L``; a `BatchLayout` says per row which of the ``L`` columns hold a token
-of that row (``valid``) and at which position (``positions``). Rows start left-padded (padding = holes on the left);
-each round appends ``m = max_b(accepted_b + 1)`` columns, right-aligned: row ``b``'s root and accepted nodes sit in the
-last ``accepted_b + 1`` columns, holes before them. So the last column is valid for every row, and a row's root
-position is ``positions[b, -1] + 1``. `relayout_index` removes holes shared by all rows (a per-row re-left-padding);
-rows that finished are dropped with `select_rows`.
+Single row (`tree_verification_mask`): the cache holds the row's context without holes; full-attention and
+sliding-window cache layers see different key ranges, so one mask per layer type is built from each layer's own
+sizes.
 
-Holes break the "column index = position" assumption of sliding-window layers, so the batched loop runs on a
-`DynamicCache` of plain full layers (`full_layer_cache`) and applies each window in the masks, by position. Sliding
-layers then keep their whole context (more memory, same outputs).
+B > 1 rows (`batched_attention_mask`): every row shares one cache length ``L``; a `BatchLayout` says per row which of
+the ``L`` columns hold a token of that row (``valid``) and at which position (``positions``). Rows start left-padded
+(padding = holes on the left); each round appends ``m = max_b(accepted_b + 1)`` columns, right-aligned, so the last
+column is valid for every row and a row's root position is ``positions[b, -1] + 1``. `relayout_index` removes holes
+shared by all rows (a per-row re-left-padding). Sliding windows are applied here, by position, on a cache of full
+layers (`target_cache.full_layer_cache`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
-from .kv_cache import UnsupportedCacheError
+from .target_cache import UnsupportedCacheError
 
 KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -83,46 +83,87 @@ def relayout_index(valid: torch.BoolTensor, min_holes: int = 8, min_fraction: fl
     return order[:, holes:]
 
 
-def full_layer_cache() -> DynamicCache:
-    """A `DynamicCache` whose layers are all plain (full) `DynamicLayer`s, created lazily by the first forward."""
-    return DynamicCache()
+def _mask_sizes(layer, query_length: int) -> tuple[int, int, int | None]:
+    """(kv_length, kv_offset, window) of ``layer`` for a forward of ``query_length`` new rows."""
+    kv_length, kv_offset = layer.get_mask_sizes(query_length)
+    window = layer.sliding_window if isinstance(layer, DynamicSlidingWindowLayer) else None
+    return kv_length, kv_offset, window
 
 
-def _gather_columns(tensor: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:
-    """`[B, h, L, d]` -> `[B, h, L', d]`, column ``index[b, j]`` (`[B, L']`) of row ``b``."""
-    batch, heads, _, dim = tensor.shape
-    return tensor.gather(2, index[:, None, :, None].expand(batch, heads, index.shape[1], dim))
+def _layer_mask(
+    tree_mask: torch.BoolTensor,
+    depths: torch.LongTensor,
+    past_length: int,
+    kv_length: int,
+    kv_offset: int,
+    window: int | None,
+    context_mask: torch.BoolTensor | None,
+) -> torch.BoolTensor:
+    """Boolean `[n, kv_length]` mask for one layer: visible context rows, then the tree block."""
+    n = tree_mask.shape[0]
+    num_context = kv_length - n
+    device = tree_mask.device
+    context = torch.ones(n, num_context, dtype=torch.bool, device=device)
+    if context_mask is not None:
+        context = context & context_mask[kv_offset : kv_offset + num_context].to(device)[None, :]
+    tree = tree_mask
+    if window is not None:
+        query_index = past_length + depths  # [n] the node's index in the sequence
+        key_index = torch.arange(kv_offset, kv_offset + num_context, device=device)
+        context = context & (key_index[None, :] > query_index[:, None] - window)
+        tree = tree & ((depths[:, None] - depths[None, :]) < window)
+    return torch.cat([context, tree], dim=1)
 
 
-def keep_accepted(cache: DynamicCache, num_nodes: int, index: torch.LongTensor) -> None:
-    """After a verification forward of ``num_nodes`` nodes per row: keep node ``index[b, j]`` (`[B, m]`, right-aligned
-    accepted nodes) of row ``b`` in new column ``L + j``, drop the rest."""
-    for layer in cache.layers:
-        if not layer.is_initialized:
+def as_4d(mask: torch.BoolTensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`[B, q, k]` bool -> `[B, 1, q, k]`: bool (True = attend) with ``dtype`` None, else additive (0 / finfo.min)."""
+    mask = mask[:, None]
+    if dtype is None:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+def tree_verification_mask(
+    cache: DynamicCache,
+    config,
+    tree_mask: torch.BoolTensor,
+    depths: torch.LongTensor,
+    context_mask: torch.BoolTensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The attention mask(s) for one verification forward of ``n`` tree nodes on top of ``cache``.
+
+    Args:
+        cache: the target cache before the forward.
+        config: the target's (text) config; its ``layer_types`` name the masks when layers differ.
+        tree_mask (`torch.BoolTensor` of shape `[n, n]`): ancestor-or-self relation of the tree.
+        depths (`torch.LongTensor` of shape `[n]`): node depths (root 0).
+        context_mask (`torch.BoolTensor` of shape `[past_length]`, *optional*): False at padded context positions.
+        dtype: None for boolean masks (sdpa), a float dtype for additive masks (eager).
+
+    Returns:
+        A `[1, 1, n, kv_length]` mask when every layer sees the same keys, else a dict from layer type
+        (``"full_attention"``, ``"sliding_attention"``) to such masks, as the models' mask mappings expect.
+    """
+    n = tree_mask.shape[0]
+    past_length = cache.get_seq_length()
+    layer_types = getattr(config, "layer_types", None)
+    sizes = [_mask_sizes(layer, n) for layer in cache.layers]
+    if not sizes:  # empty cache object: every layer is a plain full-attention layer
+        sizes = [(past_length + n, 0, None)]
+    if len(set(sizes)) == 1:
+        return as_4d(_layer_mask(tree_mask, depths, past_length, *sizes[0], context_mask)[None], dtype)
+    if layer_types is None or len(layer_types) != len(sizes):
+        raise UnsupportedCacheError(
+            "The target's cache layers see different key ranges but its config has no `layer_types` to name one "
+            "mask per layer type; tree verification cannot build its attention masks."
+        )
+    masks = {}
+    for layer_type, size in zip(layer_types, sizes):
+        if layer_type in masks:
             continue
-        base = layer.keys.shape[-2] - num_nodes
-        columns = index.to(layer.keys.device) + base
-        width = index.shape[1]
-        layer.keys[:, :, base : base + width] = _gather_columns(layer.keys, columns)
-        layer.values[:, :, base : base + width] = _gather_columns(layer.values, columns)
-        layer.keys = layer.keys[:, :, : base + width]
-        layer.values = layer.values[:, :, : base + width]
-
-
-def gather_cache_columns(cache: DynamicCache, index: torch.LongTensor) -> None:
-    """Re-lay every layer's columns: row ``b`` keeps columns ``index[b]`` (`[B, L']`), in that order."""
-    for layer in cache.layers:
-        if layer.is_initialized:
-            layer.keys = _gather_columns(layer.keys, index.to(layer.keys.device))
-            layer.values = _gather_columns(layer.values, index.to(layer.values.device))
-
-
-def select_cache_rows(cache: DynamicCache, rows: torch.LongTensor) -> None:
-    """Keep only batch rows ``rows`` (`[B']`) of every layer."""
-    for layer in cache.layers:
-        if layer.is_initialized:
-            layer.keys = layer.keys[rows.to(layer.keys.device)]
-            layer.values = layer.values[rows.to(layer.values.device)]
+        masks[layer_type] = as_4d(_layer_mask(tree_mask, depths, past_length, *size, context_mask)[None], dtype)
+    return masks
 
 
 def _windows(config) -> dict[str, int | None]:
@@ -166,12 +207,5 @@ def batched_attention_mask(
         mask = seen
         if window is not None:
             mask = mask & (key_positions[:, None, :] > query_positions[:, :, None] - window)
-        masks[layer_type] = _as_4d(mask, dtype)
+        masks[layer_type] = as_4d(mask, dtype)
     return next(iter(masks.values())) if len(masks) == 1 else masks
-
-
-def _as_4d(mask: torch.BoolTensor, dtype: torch.dtype | None) -> torch.Tensor:
-    mask = mask[:, None]
-    if dtype is None:
-        return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)

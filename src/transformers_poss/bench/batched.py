@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from .batched_generation import batch_total_tokens
-from .bench_methods import tree_shape
-from .bench_runtime import synchronize
+from ..generation.batched import batch_total_tokens
+from .methods import tree_shape
+from .runtime import synchronize
 
 ACCEPTANCE_NOTE = "mean_acceptance_length: tokens per row per target forward, bonus token included (+1 convention)"
 

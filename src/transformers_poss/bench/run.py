@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from .bench_methods import (GenerationSettings, Method, Prompt, assistant_method, baseline_method, draft_method,
-                            prompt_lookup_method)
-from .bench_metrics import (ACCEPTANCE_CONVENTION, PromptRecord, category_table, compare_with_baseline, markdown_table,
-                            method_report)
-from .bench_runtime import PeakMemory, environment, synchronize
+from .methods import (GenerationSettings, Method, Prompt, assistant_method, baseline_method, draft_method,
+                      prompt_lookup_method)
+from .metrics import (ACCEPTANCE_CONVENTION, PromptRecord, category_table, compare_with_baseline, markdown_table,
+                      method_report)
+from .runtime import PeakMemory, environment, synchronize
 
 
 # ----------------------------------------------------------------------------------------------------------- prompts
@@ -223,7 +223,7 @@ def finish(report: dict, output: str | None, plots: bool = True, greedy: bool = 
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(report, indent=2, default=str))
         if plots:
-            from .bench_plots import save_plots
+            from .plots import save_plots
 
             for path in save_plots(report, output):
                 print(f"plot: {path}", file=sys.stderr)
@@ -235,21 +235,6 @@ def finish(report: dict, output: str | None, plots: bool = True, greedy: bool = 
               + "".join(f"\n  {line}" for line in problems) + f"\n{banner}", file=sys.stderr)
         return 1
     return 0
-
-
-# ---------------------------------------------------------------------------------------------------------------- CLI
-def add_arguments(parser) -> None:
-    """Register the `poss bench` options (see docs/benchmarking.md)."""
-    from .bench_cli import add_arguments as add
-
-    add(parser)
-
-
-def run(args) -> int:
-    """Entry point of `poss bench`."""
-    from .bench_cli import run as run_cli
-
-    return run_cli(args)
 
 
 __all__ = ["GenerationSettings", "Method", "Prompt", "assistant_method", "baseline_method", "build_report",

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from transformers.generation.configuration_utils import GenerationMode
 
-from .kv_cache import UnsupportedCacheError, check_cache_supported
-from .exact_attention import EXACT_ATTENTION
-from .quantize import has_int8_activations, is_batch_variant
+from .._transformers_compat import attn_implementation
+from ..quantization.exact_attention import EXACT_ATTENTION
+from ..quantization.int8 import has_int8_activations, is_batch_variant
+from ..speculation.target_cache import UnsupportedCacheError, check_cache_supported
 
 SUPPORTED_ATTENTION = ("sdpa", "eager", EXACT_ATTENTION)
 
@@ -39,7 +40,7 @@ def check_generation_config(model, draft, generation_mode, generation_config) ->
         )
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError("output_attentions / output_hidden_states are not supported with a PosS draft.")
-    attention = model.config._attn_implementation
+    attention = attn_implementation(model.config)
     if attention not in SUPPORTED_ATTENTION:
         raise ValueError(
             f"Tree verification needs an arbitrary 4D attention mask, which attn_implementation={attention!r} "
@@ -56,7 +57,7 @@ def check_generation_config(model, draft, generation_mode, generation_config) ->
         raise ValueError(
             f"The target has int8 activations but attn_implementation={attention!r}: float attention kernels change "
             "their rounding with the number of verified tokens and int8 rounding magnifies it, so speculation would "
-            "not be lossless. Call `transformers_poss.exact_attention.use_exact_attention(target)` "
+            "not be lossless. Call `transformers_poss.use_exact_attention(target)` "
             "(`quantize_int8` does it by default)."
         )
     draft.config.check_target(model.config)  # raises ValueError on fingerprint / vocab / hidden size mismatch

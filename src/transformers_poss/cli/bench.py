@@ -1,4 +1,4 @@
-"""Command-line front end of `poss bench`: options, loading target / drafts / assistants, assembling the methods."""
+"""`poss bench`: options, assembling the methods, running them (see docs/benchmarking.md)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,11 @@ from pathlib import Path
 
 import torch
 
-from .bench import build_report, finish, load_questions, make_prompts, run_methods
-from .bench_methods import (GenerationSettings, assistant_method, baseline_method, draft_method,
-                            prompt_lookup_method)
-from .bench_runtime import environment
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from ..bench.methods import (GenerationSettings, assistant_method, baseline_method, draft_method,
+                             prompt_lookup_method)
+from ..bench.run import build_report, finish, load_questions, make_prompts, run_methods
+from ..bench.runtime import environment
+from .loaders import DTYPES, load_draft, load_target, quantized, uses_chat_template
 
 
 def _int_list(text: str) -> list[int]:
@@ -111,37 +109,8 @@ def _labelled(specs: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def load_draft(source: str, target):
-    """Load a draft for `target`: a PosS checkpoint, else an official PosS / EAGLE / HASS one via ``from_official``."""
-    from .modeling_poss import PosSDraftModel
-
-    try:
-        draft = PosSDraftModel.from_pretrained(source)
-    except (OSError, ValueError, KeyError) as error:
-        if not hasattr(PosSDraftModel, "from_official"):
-            raise
-        try:
-            draft = PosSDraftModel.from_official(source, target=target)
-        except Exception:
-            raise error
-    if hasattr(draft, "attach_target") and not getattr(draft, "is_attached", False):
-        draft.attach_target(target)
-    return draft.to(device=target.device, dtype=target.dtype).eval()
-
-
-def quantized(model, mode: str | None):
-    """`model` with the requested weight quantization applied (``"none"`` leaves it as it is)."""
-    if mode in (None, "none"):
-        return model
-    from .quantize import apply_quantization
-
-    return apply_quantization(model, mode)
-
-
 def build_methods(args, target) -> list:
     """baseline, prompt lookup, chain assistants, then each draft (at each sweep shape with --sweep)."""
-    from .embedded import load_target
-
     methods = [baseline_method(target)]
     if not args.no_prompt_lookup:
         methods.append(prompt_lookup_method(target, args.prompt_lookup_tokens, args.prompt_lookup_ngram))
@@ -192,8 +161,6 @@ def run(args) -> int:
     """Run `poss bench` with parsed arguments; returns the exit status."""
     import transformers_poss  # noqa: F401  (makes generate() tree-aware)
 
-    from .embedded import load_target, uses_chat_template
-
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -222,7 +189,7 @@ def run_batch_sizes(args, target, tokenizer, prompts, chat: bool, device) -> int
     import json
     import sys
 
-    from .bench_batched import markdown, methods_summary, run_batched
+    from ..bench.batched import markdown, methods_summary, run_batched
 
     if any(size < 1 for size in args.batch_size):
         raise SystemExit("--batch-size takes positive integers")

@@ -6,7 +6,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .bench_methods import MethodResult, Prompt
+from .methods import MethodResult, Prompt
 
 
 ACCEPTANCE_CONVENTION = ("mean_acceptance_length counts tokens gained per target forward pass, the target's own "

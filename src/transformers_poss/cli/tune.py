@@ -38,8 +38,8 @@ def add_arguments(parser) -> None:
 
 
 def _prompts(args, tokenizer, chat):
-    from .bench import encode_prompt
-    from .cli_demo import DEMO_PROMPTS
+    from .demo import DEMO_PROMPTS
+    from .loaders import encode_prompt
 
     texts = list(DEMO_PROMPTS)
     if args.questions:
@@ -52,7 +52,7 @@ def _prompts(args, tokenizer, chat):
 
 def record_rounds(target, draft, prompts, max_new_tokens, depth, top_k, total):
     """Generate greedily with a large tree and return every round's [`RoundRecord`]."""
-    from .bench_methods import tree_shape
+    from ..bench.methods import tree_shape
 
     records = []
     with tree_shape(draft, depth, top_k, total):
@@ -69,7 +69,7 @@ def record_rounds(target, draft, prompts, max_new_tokens, depth, top_k, total):
 
 def measure(target, draft, prompts, max_new_tokens, shape):
     """Median per-prompt speed-up of ``shape`` over plain greedy, interleaved; also the mean acceptance length."""
-    from .bench_methods import tree_shape
+    from ..bench.methods import tree_shape
 
     ratios, taus = [], []
     for ids, mask in prompts:
@@ -91,7 +91,7 @@ def measure(target, draft, prompts, max_new_tokens, shape):
 def candidate_shapes(records, profile, chain_profile, top_k: int) -> list[dict]:
     """Every candidate shape replayed on ``records``, best predicted speed-up first: trees at ``top_k`` (depth x total
     tokens) and chains (top-k 1) of every depth, the latter costed with ``chain_profile``'s drafting times."""
-    from .budget import simulate_shape
+    from ..generation.budget import simulate_shape
 
     results = []
     if top_k > 1:
@@ -104,7 +104,7 @@ def candidate_shapes(records, profile, chain_profile, top_k: int) -> list[dict]:
 
 def chain_costs(profile, draft):
     """``profile`` with the drafting times of a top-k 1 proposer (a chain step drafts one node, not top_k)."""
-    from .budget import measure_draft_seconds
+    from ..generation.budget import measure_draft_seconds
 
     context, step = measure_draft_seconds(draft, top_k=1)
     return dataclasses.replace(profile, draft_context_seconds=context, draft_step_seconds=step,
@@ -114,9 +114,8 @@ def chain_costs(profile, draft):
 def run(args) -> int:
     import transformers_poss  # noqa: F401
 
-    from .bench_cli import load_draft, quantized
-    from .budget import load_or_measure_profile
-    from .embedded import load_target, uses_chat_template
+    from ..generation.budget import load_or_measure_profile
+    from .loaders import load_draft, load_target, quantized, uses_chat_template
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -35,10 +35,8 @@ def run(args) -> int:
     """Generate and print the answer; speed and acceptance go to stderr."""
     import transformers_poss  # noqa: F401  (makes generate() tree-aware)
 
-    from .bench import encode_prompt
-    from .bench_cli import DTYPES, load_draft, quantized
-    from .bench_methods import GenerationSettings, tree_shape
-    from .embedded import load_target, uses_chat_template
+    from ..bench.methods import GenerationSettings, tree_shape
+    from .loaders import DTYPES, encode_prompt, load_draft, load_target, quantized, uses_chat_template
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import torch
 
+from .._transformers_compat import unwrap_candidate_generator, wrap_candidate_generator
+
 
 @dataclass
 class Prompt:
@@ -89,9 +91,8 @@ def record_candidate_rounds(model):
     assistants report acceptance without changes to transformers. Yields the list of rounds.
     """
     rounds: list[tuple[int, int]] = []
-    build = model._get_candidate_generator
 
-    def wrapped_build(*args, **kwargs):
+    def wrapped_build(build, *args, **kwargs):
         generator = build(*args, **kwargs)
         update = generator.update_candidate_strategy
 
@@ -102,11 +103,11 @@ def record_candidate_rounds(model):
         generator.update_candidate_strategy = recording_update
         return generator
 
-    model._get_candidate_generator = wrapped_build
+    wrap_candidate_generator(model, wrapped_build)
     try:
         yield rounds
     finally:
-        del model._get_candidate_generator
+        unwrap_candidate_generator(model)
 
 
 def _as_list(value) -> list | None:

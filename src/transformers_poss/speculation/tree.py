@@ -46,9 +46,6 @@ class DraftTree:
         continuation, verifiable without a tree mask. One tensor comparison, no loop over nodes."""
         return is_chain(self.parents)
 
-    def position_ids(self, context_length: int) -> torch.LongTensor:
-        """Position of every node when the root sits at position ``context_length``: shape `[n]`."""
-        return self.depths + context_length
 
     def paths(self) -> set[tuple[int, ...]]:
         """The set of root-to-node token paths (root token excluded), for comparing trees regardless of node order."""
@@ -93,6 +90,12 @@ class DraftTree:
             scores=None if self.scores is None else self.scores[keep],
         )
 
+    def as_batch(self) -> "BatchedTree":
+        """This tree as a batch of one (every node valid)."""
+        valid = torch.ones(1, self.num_nodes, dtype=torch.bool, device=self.tokens.device)
+        scores = None if self.scores is None else self.scores[None]
+        return BatchedTree(self.tokens[None], self.parents[None], self.depths[None], self.tree_mask[None], valid, scores)
+
     def to(self, device) -> "DraftTree":
         return DraftTree(
             tokens=self.tokens.to(device),
@@ -112,49 +115,18 @@ def is_chain(parents: torch.LongTensor) -> bool:
 
 
 def ancestor_mask_from_parents(parents: torch.LongTensor) -> torch.BoolTensor:
-    """Build the `[n, n]` ancestor-or-self mask from a parent vector (``parents[i] < i``, root ``-1``).
+    """The `[n, n]` ancestor-or-self mask of one tree (``parents[i] < i``, root ``-1``): `batched_ancestor_mask` of a
+    batch of one."""
+    return batched_ancestor_mask(parents[None])[0]
 
-    Vectorised by repeated squaring of the parent relation: ``O(log depth)`` matrix products, no loop over nodes.
-    """
-    n = parents.shape[0]
-    device = parents.device
-    eye = torch.eye(n, dtype=torch.bool, device=device)
-    step = torch.zeros(n, n, dtype=torch.bool, device=device)
-    has_parent = parents >= 0
-    rows = torch.arange(n, device=device)[has_parent]
-    step[rows, parents[has_parent]] = True
-    reach = eye | step
-    # reach^(2^k) covers paths of length up to 2^k
-    length = 1
-    while length < n:
-        nxt = (reach.float() @ reach.float()) > 0
-        if torch.equal(nxt, reach):
-            break
-        reach = nxt
-        length *= 2
-    return reach
-
-
-def tree_attention_mask(
-    tree_mask: torch.BoolTensor, past_length: int, dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """The 4D mask for verifying a tree on top of ``past_length`` cached positions.
-
-    Returns shape `[1, 1, n, past_length + n]`: every node sees the whole cached context, its ancestors and itself.
-    With ``dtype`` None a boolean mask (True = attend) is returned (sdpa); with a float dtype an additive mask
-    (0 / finfo.min), which both sdpa and eager accept.
-    """
-    n = tree_mask.shape[0]
-    ctx = torch.ones(n, past_length, dtype=torch.bool, device=tree_mask.device)
-    full = torch.cat([ctx, tree_mask], dim=1)[None, None]
-    if dtype is None:
-        return full
-    out = torch.zeros(full.shape, dtype=dtype, device=full.device)
-    return out.masked_fill_(~full, torch.finfo(dtype).min)
 
 
 def batched_ancestor_mask(parents: torch.LongTensor) -> torch.BoolTensor:
-    """`ancestor_mask_from_parents` for a batch of trees: `[B, n]` parents (``-1`` for roots) -> `[B, n, n]`."""
+    """Ancestor-or-self masks of a batch of trees: `[B, n]` parents (``-1`` for roots) -> `[B, n, n]` bool.
+
+    Vectorised by repeated squaring of the parent relation: ``O(log depth)`` batched matrix products, no loop over
+    nodes.
+    """
     batch, n = parents.shape
     device = parents.device
     reach = torch.eye(n, dtype=torch.bool, device=device).expand(batch, n, n).clone()
@@ -179,6 +151,7 @@ class BatchedTree:
             ``parents[b, i] < i``).
         tree_mask (`torch.BoolTensor` of shape `[B, n, n]`): ancestor-or-self relation of each row's tree.
         valid (`torch.BoolTensor` of shape `[B, n]`): nodes that may be accepted (closed under parents).
+        scores (`torch.FloatTensor` of shape `[B, n]`, *optional*): cumulative draft log-probabilities (root 0).
     """
 
     tokens: torch.LongTensor
@@ -186,6 +159,7 @@ class BatchedTree:
     depths: torch.LongTensor
     tree_mask: torch.BoolTensor
     valid: torch.BoolTensor
+    scores: torch.FloatTensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -205,7 +179,12 @@ class BatchedTree:
     def limit_depth(self, max_depths: torch.LongTensor) -> "BatchedTree":
         """Invalidate the nodes of row ``b`` deeper than ``max_depths[b]`` (`[B]`)."""
         valid = self.valid & (self.depths <= max_depths[:, None])
-        return BatchedTree(self.tokens, self.parents, self.depths, self.tree_mask, valid)
+        return BatchedTree(self.tokens, self.parents, self.depths, self.tree_mask, valid, self.scores)
+
+    def single(self) -> DraftTree:
+        """The tree of a batch of one whose nodes are all valid, as a `DraftTree`."""
+        scores = None if self.scores is None else self.scores[0]
+        return DraftTree(self.tokens[0], self.parents[0], self.depths[0], self.tree_mask[0], scores)
 
     @classmethod
     def root_only(cls, roots: torch.LongTensor) -> "BatchedTree":
