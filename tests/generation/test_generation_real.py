@@ -10,7 +10,7 @@ from transformers_poss import PosSDraftConfig, PosSDraftModel
 
 pytestmark = pytest.mark.integration
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench.jsonl"
 TRAINED_DRAFT = ROOT / "drafts" / "poss-smollm2-135m-instruct"
 

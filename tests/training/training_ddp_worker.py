@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 from helpers import tiny_draft, tiny_llama  # noqa: E402
 
 from transformers_poss.training.trainer import PosSTrainer, PosSTrainingArguments  # noqa: E402

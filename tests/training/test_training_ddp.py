@@ -36,7 +36,7 @@ def _kill_workers(process, tmp_path):
 
 @pytest.mark.parametrize("unrolled_steps", [2, 1])
 def test_two_process_gloo_training(tmp_path, unrolled_steps):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(__file__)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                WORKER, str(tmp_path), str(unrolled_steps)]
     log = tmp_path / "launcher.log"
