@@ -146,3 +146,58 @@ def test_python_dash_m_runs_the_cli():
     out = subprocess.run([sys.executable, "-m", "transformers_poss", "train", "--target", "x", "--dry-run",
                           "--set", "training.max_train_minutes=2"], capture_output=True, text=True, check=True)
     assert "max_train_minutes: 2" in out.stdout and "device: auto" in out.stdout
+
+
+def test_prompts_cover_the_request_categories(tmp_path, tiny_chat_target, monkeypatch):
+    """Each round asks for one category in turn (its instruction is in the rendered prefix); records carry it."""
+    _, model, tokenizer = tiny_chat_target
+    import transformers_poss.training.distill as distill
+
+    seen_texts, counter = [], iter(range(10_000))
+
+    def fake_generate(target, tok, texts, stop_ids, *args):
+        seen_texts.append(texts[0])
+        rows = [tok(f"Please help me with request number {next(counter)} today.", add_special_tokens=False)["input_ids"]
+                for _ in texts]
+        return rows, [True] * len(texts)
+
+    monkeypatch.setattr(distill, "_generate", fake_generate)
+    categories = {"math": "Ask a math question.", "coding": "Ask for some code."}
+    found = synthesize_prompts(model, tokenizer, 6, tmp_path / "p.jsonl", batch_size=2, categories=categories,
+                               progress=False)
+    assert len(found) == 6
+    assert "Ask a math question." in seen_texts[0] and "Ask for some code." in seen_texts[1]
+    assert all(text.endswith("<|im_start|>user\n") for text in seen_texts)
+    rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert [r["category"] for r in rows] == ["math", "math", "coding", "coding", "math", "math"]
+    assert set(distill.REQUEST_CATEGORIES) >= {"writing", "roleplay", "reasoning", "math", "coding", "extraction",
+                                                "stem", "humanities"}
+
+
+def test_followup_turns(tmp_path, tiny_chat_target, monkeypatch):
+    _, model, tokenizer = tiny_chat_target
+    import transformers_poss.training.distill as distill
+    from transformers_poss.training.distill import synthesize_followups
+
+    replies = iter(["And what about the same question for five?", "Question number 1: what is 1 plus 1?",
+                    "What is the sum of ten and ten, please?"])
+    seen_texts = []
+
+    def fake_generate(target, tok, texts, stop_ids, *args):
+        seen_texts.extend(texts)
+        rows = [tok(next(replies), add_special_tokens=False)["input_ids"] for _ in texts]
+        return rows, [True, True, False][: len(texts)]
+
+    monkeypatch.setattr(distill, "_generate", fake_generate)
+    conversations = [c["messages"] for c in _conversations(3)]
+    out = synthesize_followups(model, tokenizer, conversations, batch_size=3)
+    assert [m["role"] for m in out[0]] == ["user", "user"]
+    assert out[0][1]["content"] == "And what about the same question for five?"
+    assert out[1] is None  # repeats the first turn
+    assert out[2] is None  # unfinished
+    assert seen_texts[0].endswith("<|im_start|>user\n") and "0 plus 0 is 0" in seen_texts[0]
+    monkeypatch.undo()  # the real model answers both turns
+    stats = regenerate(model, tokenizer, [out[0]], tmp_path / "c.jsonl", max_new_tokens=3, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()]
+    assert [m["role"] for m in rows[0]["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert stats["conversations"] == 1

@@ -17,6 +17,7 @@ Config (YAML or JSON; every key optional except ``target``):
       generation: {batch_size: 16, max_new_tokens: 512, temperature: 0.0, int8: false}  # int8: CPU, 2x/step
       eval: null                        # held-out conversations; else eval_fraction of the data
       eval_fraction: 0.02
+      max_conversations: null           # train on the first N conversations of the (seeded) shuffle only
       max_length: 2048
     features: offline                   # offline (bf16 shards, computed once) or online
     features_dir: null                  # default output_dir/features
@@ -44,7 +45,7 @@ DEFAULTS = {
     "data": {"train": [], "prompts": [], "synthesize_prompts": 0, "self_distill": False, "distill_dir": None,
              "generation": {"batch_size": 16, "max_new_tokens": 512, "temperature": 0.0, "prompt_batch_size": 32,
                             "prompt_max_new_tokens": 96, "int8": False},
-             "eval": None, "eval_fraction": 0.02, "max_length": 2048},
+             "eval": None, "eval_fraction": 0.02, "max_conversations": None, "max_length": 2048},
     "features": "offline",
     "features_dir": None,
     "features_dtype": "bfloat16",
@@ -110,15 +111,20 @@ def resolve_config(path: str | None = None, overrides=(), **flags) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- stages
 def _split(conversations, config):
+    """(train, held-out) conversations; ``data.max_conversations`` keeps a prefix of the training ones."""
     data = config["data"]
     if data["eval"]:
         from .data import load_conversations
 
-        return conversations, load_conversations(data["eval"])
-    shuffled = list(conversations)
-    random.Random(config["seed"]).shuffle(shuffled)
-    held = int(round(len(shuffled) * data["eval_fraction"])) if len(shuffled) > 1 else 0
-    return shuffled[held:], shuffled[:held]
+        train, held = list(conversations), load_conversations(data["eval"])
+    else:
+        shuffled = list(conversations)
+        random.Random(config["seed"]).shuffle(shuffled)
+        count = int(round(len(shuffled) * data["eval_fraction"])) if len(shuffled) > 1 else 0
+        train, held = shuffled[count:], shuffled[:count]
+    if data.get("max_conversations"):  # a prefix of the same order: its feature shards are the full set's first ones
+        train = train[: data["max_conversations"]]
+    return train, held
 
 
 def build_conversations(config, target, tokenizer) -> list[list[dict]]:
@@ -181,7 +187,8 @@ def build_datasets(config, target, tokenizer):
 
 
 def build_draft(config, target, train_dataset, tokenizer):
-    """A new draft for ``target`` (specialists optionally initialised, vocabulary optionally reduced)."""
+    """A new draft for ``target``: specialists (and fc) optionally initialised from a trained draft, whose reduced
+    vocabulary map is then kept; otherwise the map is built from the training data's assistant tokens."""
     from ..configuration_poss import PosSDraftConfig
     from ..modeling_poss import PosSDraftModel
     from .trainer import init_specialists
@@ -194,7 +201,12 @@ def build_draft(config, target, train_dataset, tokenizer):
     draft = PosSDraftModel(draft_config)
     if spec.get("init_from"):
         init_specialists(draft, spec["init_from"])
-    if spec.get("draft_vocab_size"):
+    inherited = draft.draft_to_target is not None
+    if inherited and spec.get("draft_vocab_size") and spec["draft_vocab_size"] != draft.config.draft_vocab_size:
+        raise SystemExit(f"draft.draft_vocab_size={spec['draft_vocab_size']} differs from the vocabulary of "
+                         f"draft.init_from ({draft.config.draft_vocab_size} tokens), which is kept: drop the setting "
+                         "or set it to the source's size.")
+    if spec.get("draft_vocab_size") and not inherited:
         from ..vocab import build_token_map, count_tokens, set_token_map, special_token_ids
 
         assistant = (item["input_ids"][item["assistant_mask"].bool()] for item in train_dataset)
