@@ -151,7 +151,7 @@ def measure_draft_seconds(draft, top_k: int, context_length: int = 128, repeats:
     generator = torch.Generator().manual_seed(0)
 
     def run(depth):
-        proposer = PosSProposer(draft, depth=depth, top_k=top_k, total_tokens=2)
+        proposer = PosSProposer(draft, depth=depth, top_k=top_k, total_tokens=depth + 1)  # all `depth` levels drafted
         ids = torch.randint(0, draft.config.vocab_size, (1, context_length), generator=generator).to(device)
         proposer.propose(ids, torch.randn(1, context_length, hidden, generator=generator).to(device))
         new_ids, new_feats = ids[:, :2], torch.randn(1, 2, hidden, generator=generator).to(device)
