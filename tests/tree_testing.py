@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-from transformers_poss.tree import DraftTree, ancestor_mask_from_parents
+from transformers_poss.speculation.tree import DraftTree, ancestor_mask_from_parents
 
 
 @pytest.fixture(autouse=True)

@@ -14,12 +14,14 @@ if "torch" not in _sys.modules:
 
 from transformers import AutoConfig, AutoModel  # noqa: E402
 
+from . import _transformers_compat  # noqa: F401  (checks transformers' private internals first; one clear error)
 from .configuration_poss import PosSDraftConfig
-from .exact_attention import register_exact_attention, use_exact_attention
-from .modeling_poss import PosSDraftCache, PosSDraftModel, PosSDraftOutput
-from .proposer import PosSProposer
-from .quantize import Int8Linear, quantize_int8
-from .tree import DraftTree
+from .modeling_outputs import PosSDraftOutput
+from .modeling_poss import PosSDraftModel
+from .quantization import Int8Linear, quantize_int8, register_exact_attention, use_exact_attention
+from .speculation.draft_cache import PosSDraftCache
+from .speculation.drafter import PosSProposer
+from .speculation.tree import DraftTree
 
 __version__ = "0.1.0"
 
@@ -27,12 +29,9 @@ AutoConfig.register(PosSDraftConfig.model_type, PosSDraftConfig, exist_ok=True)
 AutoModel.register(PosSDraftConfig, PosSDraftModel, exist_ok=True)
 register_exact_attention()  # attn_implementation="poss_exact"
 
-try:  # the generation hook lives in its own module
-    from .generation import install_generation_hook as _install_generation_hook
-except ImportError:  # pragma: no cover - only while the module is absent
-    _install_generation_hook = None
-else:
-    _install_generation_hook()
+from .generation import enable_tree_generation  # noqa: E402
+
+enable_tree_generation()  # generate(assistant_model=<PosS draft>) runs tree speculation
 
 __all__ = [
     "PosSDraftConfig", "PosSDraftModel", "PosSDraftOutput", "PosSDraftCache", "PosSProposer", "DraftTree",

@@ -6,7 +6,10 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-_DEFAULT_TREE = {"tree_depth": 6, "tree_top_k": 10, "tree_total_tokens": 60}
+# the default draft-tree shape (the paper's): depth / top-k / nodes verified per round, root included. Written once
+# here; the model's generation_config, the model card and the generation loops read it from here.
+DEFAULT_TREE_SHAPE = {"tree_depth": 6, "tree_top_k": 10, "tree_total_tokens": 60}
+TREE_GENERATION_KEYS = tuple(DEFAULT_TREE_SHAPE)
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -61,9 +64,9 @@ class PosSDraftConfig(PreTrainedConfig):
         positions_per_specialist: int = 1,
         fc_bias: bool = True,
         initializer_range: float = 0.02,
-        tree_depth: int = _DEFAULT_TREE["tree_depth"],
-        tree_top_k: int = _DEFAULT_TREE["tree_top_k"],
-        tree_total_tokens: int = _DEFAULT_TREE["tree_total_tokens"],
+        tree_depth: int = DEFAULT_TREE_SHAPE["tree_depth"],
+        tree_top_k: int = DEFAULT_TREE_SHAPE["tree_top_k"],
+        tree_total_tokens: int = DEFAULT_TREE_SHAPE["tree_total_tokens"],
         draft_vocab_size: int | None = None,
         own_embeddings: bool = False,
         target_model_type: str | None = None,

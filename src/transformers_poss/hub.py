@@ -7,6 +7,9 @@ import tempfile
 
 from transformers import GenerationConfig
 
+from ._transformers_compat import upload_modified_files
+from .configuration_poss import TREE_GENERATION_KEYS
+
 CARD_TEMPLATE = """---
 library_name: transformers-poss
 tags:
@@ -91,10 +94,10 @@ def push_draft_to_hub(
     with tempfile.TemporaryDirectory() as tmp_dir:
         model.save_pretrained(tmp_dir, max_shard_size=max_shard_size)
         write_model_card(model, tmp_dir, repo=repo_id)
-        return model._upload_modified_files(
+        return upload_modified_files(
+            model,
             tmp_dir,
             repo_id,
-            files_timestamps={},
             commit_message=commit_message or "Upload PosS draft",
             token=token,
             create_pr=create_pr,
@@ -112,8 +115,6 @@ def load_tree_generation_config(name_or_path, config, kwargs) -> GenerationConfi
         )
     except (OSError, ValueError):
         loaded = GenerationConfig()
-    from .modeling_poss import TREE_GENERATION_KEYS
-
     for key in TREE_GENERATION_KEYS:
         if getattr(loaded, key, None) is None:
             setattr(loaded, key, getattr(config, key))

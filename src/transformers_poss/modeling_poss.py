@@ -5,24 +5,21 @@ Read top-down: helpers -> attention -> decoder layer -> cache -> model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.activations import ACT2FN
-from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     repeat_kv,
 )
 
-from .configuration_poss import PosSDraftConfig
-from .quantize import linear_bias, linear_weight
-
-TREE_GENERATION_KEYS = ("tree_depth", "tree_top_k", "tree_total_tokens")
+from .configuration_poss import TREE_GENERATION_KEYS, PosSDraftConfig
+from .modeling_outputs import PosSDraftOutput
+from .quantization.int8 import linear_bias, linear_weight
+from .speculation.draft_cache import PosSDraftCache
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -132,55 +129,7 @@ class PosSDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
-# ---------------------------------------------------------------------------------------------------- cache
-class PosSDraftCache:
-    """Keys/values of the accepted context, one entry per specialist (each specialist has its own projections).
-
-    ``keys[s]`` / ``values[s]``: `[B, kv_heads, L_s, head_dim]` or None; specialists may lag behind each other.
-    """
-
-    def __init__(self, num_specialists: int):
-        self.keys: list[torch.Tensor | None] = [None] * num_specialists
-        self.values: list[torch.Tensor | None] = [None] * num_specialists
-
-    def get_seq_length(self, specialist: int = 0) -> int:
-        keys = self.keys[specialist]
-        return 0 if keys is None else keys.shape[-2]
-
-    def update(self, specialist: int, keys: torch.Tensor, values: torch.Tensor):
-        """Append `[B, kv, T, D]` keys/values; return the full keys/values of that specialist."""
-        if self.keys[specialist] is not None:
-            keys = torch.cat([self.keys[specialist], keys], dim=-2)
-            values = torch.cat([self.values[specialist], values], dim=-2)
-        self.keys[specialist], self.values[specialist] = keys, values
-        return keys, values
-
-    def crop(self, length: int):
-        """Keep the first ``length`` positions of every specialist."""
-        for s, keys in enumerate(self.keys):
-            if keys is not None and keys.shape[-2] > length:
-                self.keys[s] = keys[..., :length, :]
-                self.values[s] = self.values[s][..., :length, :]
-
-
 # ---------------------------------------------------------------------------------------------------- model
-@dataclass
-class PosSDraftOutput(ModelOutput):
-    """Output of [`PosSDraftModel.forward`].
-
-    Args:
-        last_hidden_state (`[B, T, H]`): predicted features f^_{t+1}.
-        cache ([`PosSDraftCache`], *optional*): updated cache when one was passed.
-        loss (*optional*): training loss when training inputs were given.
-        metrics (*optional*): per-step accuracies and losses (training only).
-    """
-
-    loss: torch.FloatTensor | None = None
-    last_hidden_state: torch.FloatTensor | None = None
-    cache: PosSDraftCache | None = None
-    metrics: dict | None = None
-
-
 class PosSPreTrainedModel(PreTrainedModel):
     config_class = PosSDraftConfig
     base_model_prefix = "poss"
@@ -360,7 +309,7 @@ class PosSDraftModel(PosSPreTrainedModel):
             target_hidden_states (`[1, n, H]`): f_0 .. f_{n-1}.
         Returns: a [`DraftTree`].
         """
-        from .proposer import PosSProposer
+        from .speculation.drafter import PosSProposer
 
         gen = self.generation_config
         proposer = PosSProposer(

@@ -170,12 +170,3 @@ def load_official(cls, repo_id_or_folder: str, target=None, positions_per_specia
         device = target.get_output_embeddings().weight.device
         model.to(device).attach_target(target)
     return model
-
-
-def convert_official(repo_id_or_folder: str, output_dir: str, target=None, positions_per_specialist=None, **kwargs) -> str:
-    """Convert an official checkpoint to this library's format (``save_pretrained`` folder); returns ``output_dir``."""
-    from .modeling_poss import PosSDraftModel
-
-    model = load_official(PosSDraftModel, repo_id_or_folder, target=target, positions_per_specialist=positions_per_specialist, **kwargs)
-    model.save_pretrained(output_dir)
-    return output_dir

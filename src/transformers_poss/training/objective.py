@@ -269,7 +269,7 @@ def training_forward(draft, input_ids, target_hidden_states, loss_mask, objectiv
         [`PosSDraftOutput`] with ``loss`` (scalar), ``last_hidden_state`` (step-0 output) and ``metrics``: per draft
         depth d = k + 1, ``loss_d``, ``acc_d`` (top-1 agreement with the target) and counts for aggregation.
     """
-    from ..modeling_poss import PosSDraftOutput
+    from ..modeling_outputs import PosSDraftOutput
 
     if isinstance(objective, dict):
         objective = ObjectiveConfig.from_dict(objective)

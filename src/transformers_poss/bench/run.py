@@ -1,0 +1,242 @@
+"""`poss bench`: acceptance and speed of speculative decoding methods, measured side by side on one target.
+
+Every method runs on every prompt, interleaved prompt by prompt (the order rotates from prompt to prompt), so drift
+of a shared machine hits all methods alike. Greedy outputs must equal the baseline token for token; any difference
+is reported loudly and makes the command exit with status 1.
+
+Library use::
+
+    records = run_methods(prompts, [baseline_method(model), my_method], GenerationSettings(max_new_tokens=64))
+    report = build_report(records, methods, settings={...})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from .methods import (GenerationSettings, Method, Prompt, assistant_method, baseline_method, draft_method,
+                      prompt_lookup_method)
+from .metrics import (ACCEPTANCE_CONVENTION, PromptRecord, category_table, compare_with_baseline, markdown_table,
+                      method_report)
+from .runtime import PeakMemory, environment, synchronize
+
+
+# ----------------------------------------------------------------------------------------------------------- prompts
+def load_questions(paths, num_prompts: int | None = None, selection: str = "spread") -> list[dict]:
+    """Read question files (one JSON object a line, the prompt in ``turns[0]``).
+
+    Args:
+        paths: question files; each is reported under its file stem.
+        num_prompts: prompts taken from EACH file (None = all).
+        selection: ``"spread"`` takes questions round-robin over categories so a few prompts cover every category;
+            ``"first"`` takes them in file order.
+    """
+    questions = []
+    for path in map(Path, paths):
+        rows = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not row.get("turns"):
+                raise ValueError(f"{path}:{number}: a question needs a non-empty 'turns' list")
+            rows.append({"question_id": row.get("question_id", number), "category": row.get("category", "all"),
+                         "text": row["turns"][0], "file": path.stem})
+        if selection == "spread":
+            rows = _round_robin(rows)
+        questions.extend(rows if num_prompts is None else rows[:num_prompts])
+    return questions
+
+
+def _round_robin(rows: list[dict]) -> list[dict]:
+    """Reorder rows so categories alternate (first appearance order), keeping file order inside a category."""
+    by_category = defaultdict(list)
+    for row in rows:
+        by_category[row["category"]].append(row)
+    queues = list(by_category.values())
+    ordered = []
+    while any(queues):
+        for queue in queues:
+            if queue:
+                ordered.append(queue.pop(0))
+    return ordered
+
+
+def encode_prompt(tokenizer, text: str, chat: bool, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of `text`, through the chat template (generation prompt added) when `chat`."""
+    if chat:
+        encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                return_dict=True, return_tensors="pt")
+    else:
+        encoded = tokenizer(text, return_tensors="pt")
+    input_ids = encoded["input_ids"]
+    mask = encoded.get("attention_mask", torch.ones_like(input_ids))
+    return input_ids.to(device), mask.to(device)
+
+
+def make_prompts(questions: list[dict], tokenizer, chat: bool, device=None) -> list[Prompt]:
+    """Tokenize questions for the target."""
+    prompts = []
+    for q in questions:
+        ids, mask = encode_prompt(tokenizer, q["text"], chat, device)
+        prompts.append(Prompt(q["question_id"], q["file"], q["category"], q["text"], ids, mask))
+    return prompts
+
+
+# ------------------------------------------------------------------------------------------------------------ running
+def timed_run(method: Method, prompt: Prompt, settings: GenerationSettings, seed: int, device=None) -> PromptRecord:
+    """Run one method on one prompt: wall-clock time (device synchronized) and peak memory around the call."""
+    torch.manual_seed(seed)
+    with PeakMemory(device) as memory:
+        synchronize(device)
+        start = time.perf_counter()
+        result = method.run(prompt, settings)
+        synchronize(device)
+        seconds = time.perf_counter() - start
+    return PromptRecord(prompt, result, seconds, _round(memory.peak_mb), _round(memory.delta_mb))
+
+
+def _round(value, digits=1):
+    return None if value is None else round(value, digits)
+
+
+def warm_up(prompts: list[Prompt], methods: list[Method], settings: GenerationSettings, tokens: int = 16) -> None:
+    """Run every method untimed on the warm-up prompts with a short budget (allocators, kernels, caches)."""
+    short = dataclasses.replace(settings, max_new_tokens=min(tokens, settings.max_new_tokens))
+    for prompt in prompts:
+        for method in methods:
+            method.run(prompt, short)
+
+
+def run_methods(prompts: list[Prompt], methods: list[Method], settings: GenerationSettings, seed: int = 0,
+                warmup: int = 1, device=None, progress: bool = True) -> dict[str, list[PromptRecord]]:
+    """Run all methods on all prompts, interleaved prompt by prompt, and compare each with the baseline.
+
+    The method order rotates by one per prompt so no method is always first (or always after another). The method
+    named ``baseline`` is the reference for equality and speed-up. Each call starts from the same seed.
+    """
+    from tqdm.auto import tqdm
+
+    names = [m.name for m in methods]
+    if "baseline" not in names or len(set(names)) != len(names):
+        raise ValueError(f"method names must be unique and include 'baseline', got {names}")
+    if warmup:
+        warm_up(prompts[:warmup], methods, settings)
+    records = {name: [] for name in names}
+    bar = tqdm(total=len(prompts) * len(methods), desc="poss bench", unit="run", disable=not progress)
+    for index, prompt in enumerate(prompts):
+        shift = index % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            record = timed_run(method, prompt, settings, seed + index, device)
+            records[method.name].append(record)
+            bar.set_postfix_str(f"q{prompt.question_id} {method.name}: {record.tokens_per_s:.1f} tok/s")
+            bar.update()
+        reference = records["baseline"][-1]
+        for name in names:
+            compare_with_baseline(records[name][-1], reference)
+    bar.close()
+    return records
+
+
+# ------------------------------------------------------------------------------------------------------------- report
+def build_report(records: dict[str, list[PromptRecord]], methods: list[Method], settings: dict,
+                 env: dict | None = None) -> dict:
+    """The JSON report: ``{"environment", "settings", "methods": {NAME: {...}}}`` (+ ``"sweep"`` for sweeps)."""
+    baseline = records["baseline"]
+    report = {
+        "environment": env if env is not None else environment(),
+        "settings": {**settings, "acceptance_convention": ACCEPTANCE_CONVENTION},
+        "methods": {m.name: method_report(records[m.name], baseline, m.info) for m in methods},
+    }
+    shaped = {name: entry for name, entry in report["methods"].items() if entry["info"].get("sweep")}
+    if shaped:
+        report["sweep"] = sweep_summary(shaped)
+    return report
+
+
+def sweep_summary(methods: dict) -> dict:
+    """Speed-up per tree shape, best shape per draft."""
+    rows = []
+    for name, entry in methods.items():
+        tree = entry["info"]["tree"]
+        rows.append({"method": name, "draft": entry["info"]["draft"], "depth": tree["depth"],
+                     "total_tokens": tree["total_tokens"], "top_k": tree["top_k"],
+                     "speedup": entry["speedup"]["aggregate"], "speedup_median": entry["speedup"]["median"],
+                     "mean_acceptance_length": entry["mean_acceptance_length"],
+                     "mean_draft_depth": entry.get("mean_draft_depth")})
+    best, auto = {}, {}
+    for row in rows:
+        if row["speedup"] is None:
+            continue
+        chosen = auto if row["total_tokens"] == "auto" else best
+        if row["draft"] not in chosen or row["speedup"] > chosen[row["draft"]]["speedup"]:
+            chosen[row["draft"]] = row
+    summary = {"shapes": rows, "best": best}
+    if auto:  # the automatic budget (its best depth) against the best fixed shape of the same draft
+        summary["auto_vs_best"] = {
+            draft: {"auto": row["method"], "auto_speedup": row["speedup"], "best": best[draft]["method"],
+                    "best_speedup": best[draft]["speedup"], "ratio": row["speedup"] / best[draft]["speedup"]}
+            for draft, row in auto.items() if draft in best
+        }
+    return summary
+
+
+def mismatch_report(report: dict) -> list[str]:
+    """Lines describing every method whose greedy output differs from the baseline (empty when all agree)."""
+    lines = []
+    for name, entry in report["methods"].items():
+        if entry["identical_to_baseline"] < entry["prompts"]:
+            where = ", ".join(f"q{m['question_id']}@{m['first_mismatch']}" for m in entry["mismatches"])
+            lines.append(f"{name}: {entry['prompts'] - entry['identical_to_baseline']} of {entry['prompts']} outputs "
+                         f"differ from the baseline (question@first differing token: {where})")
+    return lines
+
+
+def render(report: dict) -> str:
+    """Markdown for stdout: the method table, speed-up per category, and the sweep when there is one."""
+    parts = [markdown_table(report["methods"]), "", category_table(report["methods"])]
+    if len(report["methods"]["baseline"]["by_file"]) > 1:
+        parts += ["", category_table(report["methods"], "by_file")]
+    if "sweep" in report:
+        parts += ["", "| draft | depth | top-k | total tokens | speed-up | mean acc. length | mean draft depth |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        parts += [f"| {r['draft']} | {r['depth']} | {r['top_k']} | {r['total_tokens']} | {r['speedup']:.2f}x "
+                  f"| {r['mean_acceptance_length']} | {r.get('mean_draft_depth')} |" for r in report["sweep"]["shapes"]]
+        for draft, row in report["sweep"].get("auto_vs_best", {}).items():
+            parts.append(f"\n{draft}: auto {row['auto_speedup']:.2f}x vs best fixed shape {row['best']} "
+                         f"{row['best_speedup']:.2f}x (ratio {row['ratio']:.2f})")
+    parts += ["", f"Acceptance: {ACCEPTANCE_CONVENTION}."]
+    return "\n".join(parts)
+
+
+def finish(report: dict, output: str | None, plots: bool = True, greedy: bool = True, stream=None) -> int:
+    """Write the report (and plots), print the table, and return the exit status (1 on a greedy mismatch)."""
+    stream = stream or sys.stdout
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(report, indent=2, default=str))
+        if plots:
+            from .plots import save_plots
+
+            for path in save_plots(report, output):
+                print(f"plot: {path}", file=sys.stderr)
+    print(render(report), file=stream)
+    problems = mismatch_report(report)
+    if greedy and problems:
+        banner = "!" * 100
+        print(f"\n{banner}\nGREEDY OUTPUT MISMATCH: lossless speculative decoding must reproduce the baseline exactly."
+              + "".join(f"\n  {line}" for line in problems) + f"\n{banner}", file=sys.stderr)
+        return 1
+    return 0
+
+
+__all__ = ["GenerationSettings", "Method", "Prompt", "assistant_method", "baseline_method", "build_report",
+           "draft_method", "encode_prompt", "finish", "load_questions", "make_prompts", "prompt_lookup_method",
+           "run_methods", "timed_run"]

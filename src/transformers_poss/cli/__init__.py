@@ -1,0 +1,71 @@
+"""The `poss` command: a thin dispatcher over subcommands (shared loaders: `loaders`).
+
+Each subcommand lives in its own module, imported only when that subcommand runs. A module provides
+``add_arguments(parser)`` and ``run(args) -> int`` (the exit status), or ``main(argv) -> int`` when it parses its
+own arguments; adding a subcommand is one entry in `COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+
+# name -> (module implementing it, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("transformers_poss.cli.demo", "stream answers with the shipped draft; plain vs speculative speed"),
+    "generate": ("transformers_poss.cli.generate", "generate text with a target, optionally with a PosS draft"),
+    "bench": ("transformers_poss.cli.bench", "measure acceptance and speed-up of decoding methods side by side"),
+    "convert": ("transformers_poss.cli.convert", "convert an official PosS / EAGLE / HASS checkpoint"),
+    "tune": ("transformers_poss.cli.tune", "choose the tree shape for this machine (cost curve + replay)"),
+    "vocab": ("transformers_poss.cli.vocab", "give a draft a reduced drafting vocabulary (no retraining)"),
+    "train": ("transformers_poss.training.cli", "train a PosS / EAGLE-2 / HASS draft for a target"),
+}
+
+
+def _chosen(argv: list[str]) -> str | None:
+    """The subcommand named on the command line (first argument that is not an option)."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg
+    return None
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """Top-level parser; only the chosen subcommand's module is imported to fill in its options."""
+    parser = argparse.ArgumentParser(prog="poss", description="PosS tree speculative decoding for transformers")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = _chosen(argv)
+    for name, (module, summary) in COMMANDS.items():
+        sub = subparsers.add_parser(name, help=summary, description=summary)
+        if name == chosen:
+            importlib.import_module(module).add_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: ``poss COMMAND [options]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chosen = _chosen(argv)
+    if chosen in COMMANDS and argv and argv[0] == chosen:
+        module = importlib.import_module(COMMANDS[chosen][0])
+        if hasattr(module, "main"):  # a subcommand with a parser of its own (`poss train`: HfArgumentParser)
+            return int(module.main(argv[1:]) or 0)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if args.version:
+        from importlib.metadata import version
+
+        print(f"transformers-poss {version('transformers-poss')}")
+        return 0
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(COMMANDS[args.command][0])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""`poss bench`: options, assembling the methods, running them (see docs/benchmarking.md)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+from ..bench.methods import (GenerationSettings, assistant_method, baseline_method, draft_method,
+                             prompt_lookup_method)
+from ..bench.run import build_report, finish, load_questions, make_prompts, run_methods
+from ..bench.runtime import environment
+from .loaders import DTYPES, load_draft, load_target, quantized, uses_chat_template
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def _total_tokens(text: str) -> int | str:
+    """A node count, or ``auto`` (the machine's speculation budget picks the nodes every round)."""
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tree nodes or 'auto', got {text!r}") from None
+
+
+def _total_tokens_list(text: str) -> list[int | str]:
+    return [_total_tokens(part) for part in text.split(",") if part.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the `poss bench` options."""
+    io = parser.add_argument_group("what to measure")
+    io.add_argument("--target", default="smollm2-135m-instruct",
+                    help="embedded name (smollm2-135m-instruct, gemma3-270m), Hub id or folder")
+    io.add_argument("--draft", action="append", default=[], metavar="[LABEL=]PATH",
+                    help="PosS / EAGLE / HASS draft (folder or Hub id); repeat to compare several in one run")
+    io.add_argument("--assistant", action="append", default=[], metavar="[LABEL=]PATH",
+                    help="small causal LM sharing the target's tokenizer, run as a chain assistant")
+    io.add_argument("--questions", nargs="+", required=True, metavar="FILE",
+                    help="question files, one JSON object a line, the prompt in turns[0]")
+    io.add_argument("--num-prompts", type=int, default=10, help="prompts per question file (default 10)")
+    io.add_argument("--selection", choices=["spread", "first"], default="spread",
+                    help="'spread': round-robin over categories (default); 'first': file order")
+    io.add_argument("--output", default="poss-bench.json", help="JSON report; plots are written next to it")
+    io.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    io.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    dec = parser.add_argument_group("decoding")
+    dec.add_argument("--max-new-tokens", type=int, default=128)
+    dec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs must equal the baseline)")
+    dec.add_argument("--top-p", type=float, default=None)
+    dec.add_argument("--top-k", type=int, default=None)
+    dec.add_argument("--seed", type=int, default=0)
+    dec.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
+                     help="'auto': use the tokenizer's chat template unless the target is a base model")
+
+    tree = parser.add_argument_group("tree shape (defaults: each draft's generation_config)")
+    tree.add_argument("--tree-depth", type=int, default=None)
+    tree.add_argument("--tree-top-k", type=int, default=None)
+    tree.add_argument("--tree-total-tokens", type=_total_tokens, default=None,
+                      help="nodes verified per round, root included, or 'auto' (chosen per round from the measured "
+                           "cost of verification on this machine)")
+    tree.add_argument("--sweep", action="store_true",
+                      help="run every draft at every depth x total-tokens shape, and as a chain (top-k 1) of "
+                           "each depth")
+    tree.add_argument("--sweep-depths", type=_int_list, default=[3, 4, 6], metavar="D1,D2,...")
+    tree.add_argument("--sweep-total-tokens", type=_total_tokens_list, default=[8, 16, 32, 60], metavar="N1,N2,...",
+                      help="node counts to sweep; 'auto' adds the automatic budget at each depth, and the summary "
+                           "then compares it with the best fixed shape")
+    tree.add_argument("--no-sweep-chains", action="store_true",
+                      help="leave the chains (top-k 1, depth d, d + 1 tokens) out of the sweep")
+
+    batch = parser.add_argument_group("batched generation")
+    batch.add_argument("--batch-size", type=int, nargs="+", default=None, metavar="B",
+                       help="measure plain batched generate vs batched tree speculation at these batch sizes "
+                            "(e.g. 1 2 4 8): tokens/s over the batch; the tree budget per row shrinks with B")
+
+    other = parser.add_argument_group("other methods and runtime")
+    other.add_argument("--no-prompt-lookup", action="store_true", help="skip transformers' prompt lookup decoding")
+    other.add_argument("--prompt-lookup-tokens", type=int, default=10)
+    other.add_argument("--prompt-lookup-ngram", type=int, default=2)
+    other.add_argument("--warmup", type=int, default=1, help="warm-up prompts before timing (default 1)")
+    other.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    other.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    other.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    other.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager", "poss_exact"])
+    other.add_argument("--quantize", choices=["none", "int8"], default="none",
+                       help="int8: int8 weights with per-token int8 activations and exact attention for the target, "
+                            "drafts and assistants (CPU only); every method, "
+                            "the baseline included, then runs on the same quantized target")
+
+
+def _labelled(specs: list[str]) -> list[tuple[str, str]]:
+    """``LABEL=PATH`` or ``PATH`` (label: the last path component), labels made unique."""
+    pairs, seen = [], {}
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep or os.path.exists(spec):
+            label, path = Path(spec.rstrip("/")).name or spec, spec
+        count = seen.get(label, 0)
+        seen[label] = count + 1
+        pairs.append((label if count == 0 else f"{label}-{count + 1}", path))
+    return pairs
+
+
+def build_methods(args, target) -> list:
+    """baseline, prompt lookup, chain assistants, then each draft (at each sweep shape with --sweep)."""
+    methods = [baseline_method(target)]
+    if not args.no_prompt_lookup:
+        methods.append(prompt_lookup_method(target, args.prompt_lookup_tokens, args.prompt_lookup_ngram))
+    for label, source in _labelled(args.assistant):
+        assistant, _ = load_target(source, dtype=target.dtype, attn_implementation=args.attn_implementation,
+                                   device=target.device)
+        assistant = quantized(assistant, args.quantize)
+        methods.append(assistant_method(f"assistant:{label}", target, assistant, source))
+    for label, source in _labelled(args.draft):
+        draft = quantized(load_draft(source, target), args.quantize)  # int8 drafts keep their own attention
+        if not args.sweep:
+            methods.append(draft_method(label, target, draft, source, args.tree_depth, args.tree_top_k,
+                                        args.tree_total_tokens))
+            continue
+        for depth in args.sweep_depths:
+            for total in args.sweep_total_tokens:
+                method = draft_method(f"{label}[d={depth},n={total}]", target, draft, source, depth, args.tree_top_k,
+                                      total)
+                method.info.update({"sweep": True, "draft": label})
+                methods.append(method)
+        for depth in [] if args.no_sweep_chains else args.sweep_depths:
+            method = draft_method(f"{label}[chain d={depth}]", target, draft, source, depth, 1, depth + 1)
+            method.info.update({"sweep": True, "draft": label, "chain": True})
+            methods.append(method)
+    return methods
+
+
+def settings_record(args, chat: bool, target) -> dict:
+    """The report's ``settings`` section."""
+    return {
+        "target": args.target, "target_class": type(target).__name__, "dtype": args.dtype,
+        "attn_implementation": target.config._attn_implementation, "quantize": args.quantize,
+        "drafts": dict(_labelled(args.draft)),
+        "assistants": dict(_labelled(args.assistant)), "questions": [str(p) for p in args.questions],
+        "num_prompts": args.num_prompts, "selection": args.selection, "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature, "greedy": args.temperature <= 0, "top_p": args.top_p, "top_k": args.top_k,
+        "seed": args.seed, "threads": torch.get_num_threads(), "warmup": args.warmup, "chat_template": chat,
+        "tree": {"depth": args.tree_depth, "top_k": args.tree_top_k, "total_tokens": args.tree_total_tokens},
+        "sweep": {"depths": args.sweep_depths, "total_tokens": args.sweep_total_tokens,
+                  "chains": not args.no_sweep_chains} if args.sweep else None,
+        "prompt_lookup": None if args.no_prompt_lookup else
+        {"num_tokens": args.prompt_lookup_tokens, "max_ngram": args.prompt_lookup_ngram},
+        "method_order": "interleaved prompt by prompt, order rotated by one each prompt",
+    }
+
+
+def run(args) -> int:
+    """Run `poss bench` with parsed arguments; returns the exit status."""
+    import transformers_poss  # noqa: F401  (makes generate() tree-aware)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target, tokenizer = load_target(args.target, dtype=DTYPES[args.dtype],
+                                    attn_implementation=args.attn_implementation, device=device)
+    target = quantized(target, args.quantize)  # before drafts attach to its embeddings and head
+    chat = {"on": True, "off": False}.get(args.chat_template, None)
+    if chat is None:
+        chat = uses_chat_template(args.target, tokenizer)
+    questions = load_questions(args.questions, args.num_prompts, args.selection)
+    if not questions:
+        raise SystemExit("no questions found in " + " ".join(args.questions))
+    prompts = make_prompts(questions, tokenizer, chat, device)
+    if args.batch_size:
+        return run_batch_sizes(args, target, tokenizer, prompts, chat, device)
+    methods = build_methods(args, target)
+    settings = GenerationSettings(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
+    records = run_methods(prompts, methods, settings, seed=args.seed, warmup=args.warmup, device=device,
+                          progress=not args.no_progress)
+    report = build_report(records, methods, settings_record(args, chat, target), environment(device))
+    return finish(report, args.output, plots=not args.no_plots, greedy=settings.greedy)
+
+
+def run_batch_sizes(args, target, tokenizer, prompts, chat: bool, device) -> int:
+    """`poss bench --batch-size ...`: plain batched generate vs each draft's batched speculation."""
+    import json
+    import sys
+
+    from ..bench.batched import markdown, methods_summary, run_batched
+
+    if any(size < 1 for size in args.batch_size):
+        raise SystemExit("--batch-size takes positive integers")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    drafts = {label: load_draft(source, target) for label, source in _labelled(args.draft)}
+    settings = GenerationSettings(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
+    shape = {"depth": args.tree_depth, "top_k": args.tree_top_k, "total_tokens": args.tree_total_tokens}
+    batched = run_batched(target, prompts, drafts, settings, args.batch_size, 0 if pad is None else pad, shape,
+                          seed=args.seed, warmup=args.warmup > 0)
+    record = settings_record(args, chat, target)
+    record.update(batch_sizes=args.batch_size, prompt_lookup=None,
+                  method_order="per batch: baseline then drafts, order reversed every other batch")
+    report = {"environment": environment(device), "settings": record, "batched": batched,
+              "methods": methods_summary(batched)}
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(report, indent=2, default=str))
+    print(markdown(batched))
+    mismatched = [e for e in batched["results"] if not e["identical_to_baseline"]]
+    if settings.greedy and mismatched:
+        for e in mismatched:
+            print(f"GREEDY OUTPUT MISMATCH: {e['method']} at batch size {e['batch_size']}: "
+                  f"{e['rows'] - e['identical_rows']} of {e['rows']} rows differ from the baseline", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,33 @@
+"""`poss convert`: turn an official PosS / EAGLE / HASS checkpoint into this library's format."""
+
+from __future__ import annotations
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("source", help="Hub id or folder of the official checkpoint (config.json + weights)")
+    parser.add_argument("output", help="folder to write (save_pretrained layout, safetensors)")
+    parser.add_argument("--target", default=None, help="embedded name, Hub id or folder of the target (recommended: "
+                        "records its fingerprint and drops a stored embedding equal to the target's)")
+    parser.add_argument("--positions-per-specialist", type=int, default=None,
+                        help="N of PosS-N; read from 'PosS<N>' in the source name when omitted")
+
+
+def convert_official(repo_id_or_folder: str, output_dir: str, target=None, positions_per_specialist=None, **kwargs) -> str:
+    """Convert an official checkpoint to this library's format (``save_pretrained`` folder); returns ``output_dir``."""
+    from ..modeling_poss import PosSDraftModel
+
+    model = PosSDraftModel.from_official(repo_id_or_folder, target=target, positions_per_specialist=positions_per_specialist,
+                                         **kwargs)  # fmt: skip
+    model.save_pretrained(output_dir)
+    return output_dir
+
+
+def run(args) -> int:
+    from .loaders import load_target
+
+    target = None
+    if args.target:
+        target, _ = load_target(args.target)
+    out = convert_official(args.source, args.output, target=target, positions_per_specialist=args.positions_per_specialist)
+    print(f"wrote {out}")
+    return 0

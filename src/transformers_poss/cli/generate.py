@@ -1,0 +1,75 @@
+"""`poss generate`: answer one prompt with a target model, optionally with PosS tree speculation."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+
+def add_arguments(parser) -> None:
+    """Register the `poss generate` options."""
+    parser.add_argument("prompt", nargs="?", default=None, help="prompt text (read from stdin when omitted)")
+    parser.add_argument("--target", default="smollm2-135m-instruct",
+                        help="embedded name (smollm2-135m-instruct, gemma3-270m), Hub id or folder")
+    parser.add_argument("--draft", default=None, help="PosS draft (folder or Hub id) for tree speculation")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tree-depth", type=int, default=None)
+    parser.add_argument("--tree-top-k", type=int, default=None)
+    parser.add_argument("--tree-total-tokens", type=int, default=None)
+    parser.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--quantize", choices=["none", "int8"], default="none",
+                        help="int8: dynamic int8 weights for the target (CPU only)")
+    parser.add_argument("--quiet", action="store_true", help="print only the generated text")
+
+
+def run(args) -> int:
+    """Generate and print the answer; speed and acceptance go to stderr."""
+    import transformers_poss  # noqa: F401  (makes generate() tree-aware)
+
+    from ..bench.methods import GenerationSettings, tree_shape
+    from .loaders import DTYPES, encode_prompt, load_draft, load_target, quantized, uses_chat_template
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    text = args.prompt if args.prompt is not None else sys.stdin.read()
+    target, tokenizer = load_target(args.target, dtype=DTYPES[args.dtype], device=device)
+    target = quantized(target, args.quantize)
+    chat = {"on": True, "off": False}.get(args.chat_template)
+    if chat is None:
+        chat = uses_chat_template(args.target, tokenizer)
+    input_ids, mask = encode_prompt(tokenizer, text, chat, device)
+    settings = GenerationSettings(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
+    kwargs = {"input_ids": input_ids, "attention_mask": mask, "return_dict_in_generate": True,
+              **settings.generate_kwargs()}
+    draft = quantized(load_draft(args.draft, target), args.quantize) if args.draft else None
+    torch.manual_seed(args.seed)
+    start = time.perf_counter()
+    if draft is None:
+        output = target.generate(**kwargs)
+    else:
+        with tree_shape(draft, args.tree_depth, args.tree_top_k, args.tree_total_tokens):
+            output = target.generate(**kwargs, assistant_model=draft)
+    seconds = time.perf_counter() - start
+    new_tokens = output.sequences[0, input_ids.shape[1]:]
+    print(tokenizer.decode(new_tokens, skip_special_tokens=True))
+    if not args.quiet:
+        print(_stats(len(new_tokens), seconds, getattr(output, "acceptance", None)), file=sys.stderr)
+    return 0
+
+
+def _stats(count: int, seconds: float, acceptance) -> str:
+    line = f"[{count} tokens in {seconds:.2f} s, {count / max(seconds, 1e-9):.1f} tokens/s"
+    mean = getattr(acceptance, "mean_acceptance_length", None)
+    if mean is not None:
+        line += f", mean acceptance length {float(mean):.2f} (bonus token included)"
+    return line + "]"

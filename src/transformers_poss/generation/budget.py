@@ -1,0 +1,395 @@
+"""Hardware-aware speculation budget.
+
+The best tree is a property of the hardware: on a GPU a 60-node verification costs about as much as one token, on a
+CPU the cost grows with the number of nodes. This module
+
+1. measures the target's forward time ``t(n)`` for ``n`` tree nodes and the draft's step times once per
+   model / device / dtype / threads, and caches the profile on disk ([`CostProfile`], [`load_or_measure_profile`]);
+2. picks, every round, which of the drafted nodes to verify and how deep to draft ([`TreeBudget`]): the draft's
+   cumulative probabilities, calibrated by the acceptance actually observed, give the expected accepted tokens of the
+   best ``n - 1`` nodes no deeper than ``d``, and ``(d, n)`` maximises expected tokens per second (drafting time
+   grows with ``d``, verification time with ``n``); the next round drafts one level deeper than the chosen ``d``.
+   When no tree is predicted to beat plain decoding the call falls back to plain decoding;
+3. replays recorded rounds under other shapes ([`simulate_shape`]) so ``poss tune`` can choose depth and size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .._transformers_compat import attn_implementation
+
+DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+# ---------------------------------------------------------------------------------------------------- cost profile
+@dataclass
+class CostProfile:
+    """Measured costs (seconds) on one machine.
+
+    Attributes:
+        key: identifies model, device, dtype, quantization and threads.
+        verify_seconds: target forward time for ``n`` new tokens (tree nodes), keyed by ``n`` (as str in JSON).
+        draft_context_seconds: a draft context step over a few new pairs, including its top-k.
+        draft_step_seconds: one further draft step (frontier of ``top_k`` nodes), including its top-k.
+    """
+
+    key: str
+    verify_seconds: dict[int, float]
+    draft_context_seconds: float = 0.0
+    draft_step_seconds: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+    def verify(self, n: int) -> float:
+        """t(n), linearly interpolated between measured sizes (extrapolated from the last two beyond them)."""
+        sizes = sorted(self.verify_seconds)
+        if n in self.verify_seconds:
+            return self.verify_seconds[n]
+        if n <= sizes[0]:
+            return self.verify_seconds[sizes[0]]
+        lo = max((s for s in sizes if s < n), default=sizes[-2])
+        hi = min((s for s in sizes if s > n), default=sizes[-1])
+        if lo == hi:
+            lo = sizes[-2]
+        t_lo, t_hi = self.verify_seconds[lo], self.verify_seconds[hi]
+        return t_lo + (t_hi - t_lo) * (n - lo) / (hi - lo)
+
+    def draft(self, depth: int) -> float:
+        """Drafting time of a tree of ``depth``."""
+        return self.draft_context_seconds + max(depth - 1, 0) * self.draft_step_seconds
+
+    def curve(self) -> dict[int, float]:
+        """t(n) / t(1) for every measured n."""
+        base = self.verify(1)
+        return {n: self.verify_seconds[n] / base for n in sorted(self.verify_seconds)}
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["verify_seconds"] = {str(k): v for k, v in self.verify_seconds.items()}
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostProfile":
+        data = json.loads(text)
+        data["verify_seconds"] = {int(k): float(v) for k, v in data["verify_seconds"].items()}
+        return cls(**data)
+
+
+def profile_key(target, draft=None, top_k: int | None = None) -> str:
+    """A key for the cache: model identity, device, dtype, quantization, threads, torch version."""
+    config = target.config.get_text_config()
+    head = target.get_output_embeddings()
+    parts = [
+        getattr(target.config, "_name_or_path", "") or "",
+        config.model_type,
+        str(config.hidden_size),
+        str(getattr(config, "num_hidden_layers", "")),
+        str(config.vocab_size),
+        str(target.dtype),
+        str(next(target.parameters()).device),
+        str(getattr(target, "_poss_quantized", None)),
+        str(torch.get_num_threads()),
+        torch.__version__,
+        type(head).__name__,
+        str(attn_implementation(config)),
+    ]
+    if draft is not None:
+        parts += [str(draft.config.num_specialists), str(draft.config.draft_vocab_size), str(top_k),
+                  str(getattr(draft, "_poss_quantized", None))]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
+
+
+def _timed(fn, repeats: int) -> float:
+    values = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        values.append(time.perf_counter() - start)
+    return statistics.median(values)
+
+
+@torch.no_grad()
+def measure_verify_seconds(target, sizes=DEFAULT_SIZES, context_length: int = 128, repeats: int = 5) -> dict[int, float]:
+    """Median time of one target forward over ``n`` new tokens (logits of all of them) on a ``context_length`` cache.
+
+    Sizes are interleaved within each repeat so that machine drift hits all of them alike.
+    """
+    from transformers import DynamicCache
+
+    device = target.get_input_embeddings().weight.device
+    vocab = target.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (1, context_length), generator=generator).to(device)
+    cache = DynamicCache(config=target.config.get_text_config(decoder=True))
+    target(input_ids=prompt, cache=cache, use_cache=True)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats + 1):  # first pass warms up
+        for n in sizes:
+            ids = torch.randint(0, vocab, (1, n), generator=generator).to(device)
+            positions = torch.arange(context_length, context_length + n, device=device)[None]
+            start = time.perf_counter()
+            target(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=0)
+            times[n].append(time.perf_counter() - start)
+            cache.crop(-n)
+    return {n: statistics.median(v[1:]) for n, v in times.items()}
+
+
+@torch.no_grad()
+def measure_draft_seconds(draft, top_k: int, context_length: int = 128, repeats: int = 5) -> tuple[float, float]:
+    """(context step, further step) drafting times: trees of depth 1 and 3 after a 2-pair context update."""
+    from ..speculation.drafter import PosSProposer
+
+    device = draft.fc.weight.device if isinstance(getattr(draft.fc, "weight", None), torch.Tensor) else torch.device("cpu")
+    hidden = draft.config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+
+    def run(depth):
+        proposer = PosSProposer(draft, depth=depth, top_k=top_k, total_tokens=depth + 1)  # all `depth` levels drafted
+        ids = torch.randint(0, draft.config.vocab_size, (1, context_length), generator=generator).to(device)
+        proposer.propose(ids, torch.randn(1, context_length, hidden, generator=generator).to(device))
+        new_ids, new_feats = ids[:, :2], torch.randn(1, 2, hidden, generator=generator).to(device)
+        return _timed(lambda: proposer.propose(new_ids, new_feats), repeats)
+
+    run(1)  # warm-up
+    one, three = run(1), run(3)
+    return one, max((three - one) / 2, 0.0)
+
+
+def cache_dir() -> str:
+    from ..targets.embedded import cache_root
+
+    path = os.path.join(str(cache_root()), "costs")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def load_or_measure_profile(target, draft=None, top_k: int = 10, sizes=DEFAULT_SIZES, refresh: bool = False,
+                            verbose: bool = False) -> CostProfile:
+    """The cached cost profile of ``target`` (+ ``draft``) on this machine, measuring it on first use (seconds)."""
+    key = profile_key(target, draft, top_k)
+    path = os.path.join(cache_dir(), f"{key}.json")
+    if not refresh and os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                return CostProfile.from_json(fh.read())
+        except (OSError, ValueError, TypeError, KeyError):
+            pass  # unreadable: measure again
+    if verbose:
+        print("measuring the verification cost curve t(n) on this machine (once; cached) ...")
+    verify = measure_verify_seconds(target, sizes)
+    context, step = measure_draft_seconds(draft, top_k) if draft is not None else (0.0, 0.0)
+    profile = CostProfile(key=key, verify_seconds=verify, draft_context_seconds=context, draft_step_seconds=step,
+                          meta={"threads": torch.get_num_threads(), "top_k": top_k})
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(profile.to_json())
+    os.replace(tmp, path)
+    return profile
+
+
+# ---------------------------------------------------------------------------------------------------- per round
+def ranked_nodes(scores: torch.Tensor) -> torch.LongTensor:
+    """Non-root node indices by descending cumulative score; ties keep node order (parents before children)."""
+    return torch.sort(scores[1:], descending=True, stable=True).indices + 1
+
+
+class TreeBudget:
+    """Chooses, each round, how deep to draft and which drafted nodes to verify; decides when speculation does not pay.
+
+    Args:
+        profile: the machine's [`CostProfile`].
+        depth: the deepest drafting depth allowed (the configured ``tree_depth``).
+        max_nodes: upper bound on verified nodes (root included).
+        warmup_rounds: rounds observed before a fallback to plain decoding may be decided.
+        min_speedup: predicted speed-up under which speculation stops for the rest of the call.
+    """
+
+    def __init__(self, profile: CostProfile, depth: int, max_nodes: int, warmup_rounds: int = 2,
+                 min_speedup: float = 1.0, prior_weight: float = 2.0):
+        self.profile = profile
+        self.depth = depth
+        self.max_nodes = max_nodes
+        self.warmup_rounds = warmup_rounds
+        self.min_speedup = min_speedup
+        self.observed = prior_weight  # calibration prior: the draft's probabilities are taken at face value
+        self.predicted = prior_weight
+        self.rounds = 0
+        self.tokens = 0  # tokens produced by the observed rounds (accepted draft tokens + 1 each)
+        self.predicted_seconds = 0.0  # their time under this machine's profile
+        self.chosen_depth = 0  # depth of the last round's kept nodes (0: root only)
+        self.next_depth = depth  # depth to draft next round
+        sizes = torch.arange(1, max_nodes + 1)
+        self._verify = torch.tensor([profile.verify(int(n)) for n in sizes], dtype=torch.float64)
+        self.plain_rate = 1.0 / profile.verify(1)
+
+    @property
+    def calibration(self) -> float:
+        return self.observed / self.predicted
+
+    def choose(self, scores: torch.Tensor, depths: torch.LongTensor | None = None,
+               drafted_depth: int | None = None) -> tuple[torch.LongTensor, float]:
+        """Nodes to keep (root first, then the best nodes in tree order) and the predicted tokens per second.
+
+        With ``depths`` the depth is chosen too: for every ``d`` up to the drafted depth, the best nodes no deeper than
+        ``d`` are costed with the drafting time of a depth-``d`` tree, and the (depth, nodes) pair with the highest
+        expected tokens per second wins. ``chosen_depth`` is then the depth of the kept nodes (0: root only) and
+        ``next_depth`` the depth to draft next round: one more than chosen, so that deeper trees are still probed,
+        at most ``self.depth``. A prefix of the score ranking restricted to depth ``<= d`` is still a tree (a child's
+        cumulative score never exceeds its parent's).
+
+        Args:
+            scores (`torch.Tensor` of shape `[n]`): cumulative draft log-probabilities, root first.
+            depths (`torch.LongTensor` of shape `[n]`, *optional*): node depths; without them every node is eligible
+                and drafting is costed at ``drafted_depth``.
+            drafted_depth: depth this round was drafted at (default ``self.depth``), for the time actually spent.
+        """
+        drafted = self.depth if drafted_depth is None else int(drafted_depth)
+        scores = scores.double().cpu()
+        order = ranked_nodes(scores)
+        probs = scores[order].exp()
+        if depths is None:
+            node_depths = torch.full_like(order, drafted)
+            candidates = torch.tensor([drafted])
+        else:
+            node_depths = depths.cpu()[order]
+            candidates = torch.arange(1, max(drafted, 1) + 1)
+        eligible = node_depths[None, :] <= candidates[:, None]  # [D, M]: node j of the ranking allowed at depth d
+        zero = torch.zeros(candidates.shape[0], 1, dtype=torch.long)
+        counts = torch.cat([zero, eligible.long().cumsum(1)], dim=1)  # [D, M + 1] nodes kept from a ranking prefix
+        raw = torch.cat([zero.double(), (probs[None, :] * eligible).cumsum(1)], dim=1)
+        gain = 1.0 + raw * self.calibration
+        draft_seconds = torch.tensor([self.profile.draft(int(d)) for d in candidates], dtype=torch.float64)  # [D]
+        rate = gain / (draft_seconds[:, None] + self._verify[counts.clamp(max=self.max_nodes - 1)])
+        rate = rate.masked_fill(counts > self.max_nodes - 1, float("-inf"))
+        best = int(torch.argmax(rate))  # ties: the shallower depth, then the shorter prefix
+        row, prefix = divmod(best, rate.shape[1])
+        kept = eligible[row, :prefix]
+        keep = torch.sort(order[:prefix][kept]).values
+        self.chosen_depth = int(node_depths[:prefix][kept].max()) if keep.numel() else 0
+        self.next_depth = max(1, min(self.depth, self.chosen_depth + 1))
+        self._last = float(raw[row, prefix]), self.profile.draft(drafted) + float(self._verify[keep.shape[0]])
+        return torch.cat([torch.zeros(1, dtype=torch.long), keep]), float(rate[row, prefix])
+
+    def observe(self, accepted_draft_tokens: int) -> None:
+        """Update the calibration and the speed record with the round just verified (after `choose`)."""
+        raw, seconds = self._last
+        self.observed += accepted_draft_tokens
+        self.predicted += raw
+        self.rounds += 1
+        self.tokens += accepted_draft_tokens + 1
+        self.predicted_seconds += seconds
+
+    def predicted_speedup(self) -> float:
+        """Speed of the rounds so far over plain decoding on this machine: the tokens they actually produced per
+        second of their profiled time (drafting at the drafted depth + verifying the kept nodes), over ``1 / t(1)``.
+        Acceptance is what the target really accepted, not the draft's estimate, so a draft that is over-confident
+        in the first rounds does not delay the fallback (the same measure `simulate_shape` replays)."""
+        if self.predicted_seconds == 0:
+            return float("inf")
+        return (self.tokens / self.predicted_seconds) / self.plain_rate
+
+    def should_fall_back(self) -> bool:
+        """After the warm-up rounds: is speculation slower than plain decoding (`predicted_speedup`)?"""
+        return self.rounds >= self.warmup_rounds and self.predicted_speedup() < self.min_speedup
+
+
+# ---------------------------------------------------------------------------------------------------- replay
+@dataclass
+class RoundRecord:
+    """One verified round of a recording run: the drafted tree and the accepted path (node indices, root first).
+
+    ``parents`` (the tree's parent vector) is needed to replay the round as a chain (top-k 1).
+    """
+
+    depths: torch.LongTensor
+    scores: torch.Tensor
+    path: torch.LongTensor
+    parents: torch.LongTensor | None = None
+
+
+def best_children(parents: torch.LongTensor, scores: torch.Tensor) -> torch.LongTensor:
+    """`[n]`: each node's child with the highest score (ties: the first in node order), ``n`` where it has none.
+
+    Children of one node share its cumulative score, so the best child by cumulative score is the draft's top-1 token
+    after that node: what a top-k 1 proposer drafts there.
+    """
+    n = parents.shape[0]
+    children = torch.arange(1, n)
+    child_parents = parents[1:].long()
+    child_scores = scores[1:].double()
+    best = torch.full((n,), float("-inf"), dtype=torch.float64)
+    best = best.scatter_reduce(0, child_parents, child_scores, reduce="amax")
+    is_best = child_scores == best[child_parents]
+    candidates = torch.where(is_best, children, torch.full_like(children, n))
+    first = torch.full((n,), n, dtype=torch.long)
+    return first.scatter_reduce(0, child_parents, candidates, reduce="amin")
+
+
+def chain_nodes(record: RoundRecord, length: int) -> torch.LongTensor:
+    """Node indices of the top-1 path of a recorded tree (root excluded), at most ``length`` long: node ``i + 1`` is
+    the best child of node ``i``. It stops early where the recorded tree did not keep that child."""
+    if record.parents is None:
+        raise ValueError("this round was recorded without the tree's parents: it cannot be replayed as a chain")
+    best = best_children(record.parents, record.scores)
+    n = best.shape[0]
+    nodes, node = [], 0
+    for _ in range(length):  # a walk down one path: at most `length` steps
+        node = int(best[node])
+        if node >= n:
+            break
+        nodes.append(node)
+    return torch.tensor(nodes, dtype=torch.long)
+
+
+def _chain_length(depth: int, total_tokens: int) -> int:
+    return max(0, min(depth, total_tokens - 1))
+
+
+def truncated_accepted(record: RoundRecord, depth: int, total_tokens: int, top_k: int | None = None) -> int:
+    """Accepted draft tokens had the tree been cut to ``depth`` and the best ``total_tokens - 1`` nodes (greedy).
+
+    With ``top_k == 1`` the round is replayed as a chain of ``min(depth, total_tokens - 1)`` tokens: the top-1 path
+    (the best child at each depth); it accepts the leading nodes it shares with the accepted path.
+    """
+    if top_k == 1:
+        chain = chain_nodes(record, _chain_length(depth, total_tokens))
+        path = record.path[1:].long()
+        common = min(chain.shape[0], path.shape[0])
+        agree = (chain[:common] == path[:common]).long()
+        return int(agree.cumprod(0).sum())
+    eligible = torch.nonzero(record.depths[1:] <= depth).flatten() + 1
+    order = eligible[torch.sort(record.scores[eligible], descending=True, stable=True).indices]
+    kept = torch.zeros(record.depths.shape[0], dtype=torch.bool)
+    kept[order[: total_tokens - 1]] = True
+    accepted = 0
+    for node in record.path[1:].tolist():
+        if not kept[node]:
+            break
+        accepted += 1
+    return accepted
+
+
+def simulate_shape(records: list[RoundRecord], profile: CostProfile, depth: int, total_tokens: int,
+                   top_k: int | None = None) -> dict:
+    """Predicted acceptance length and speed-up over plain decoding of a shape, replaying ``records``.
+
+    ``top_k == 1`` replays a chain of ``min(depth, total_tokens - 1)`` tokens (its ``total_tokens`` is reported as
+    that plus the root); ``profile`` should then carry the drafting times of top-k 1.
+    """
+    if not records:
+        raise ValueError("no recorded rounds to replay")
+    if top_k == 1:
+        depth = _chain_length(depth, total_tokens)
+        total_tokens = depth + 1
+    tokens = sum(truncated_accepted(r, depth, total_tokens, top_k) + 1 for r in records)
+    seconds = len(records) * (profile.draft(depth) + profile.verify(total_tokens))
+    tau = tokens / len(records)
+    return {"depth": depth, "top_k": top_k, "kind": "chain" if top_k == 1 else "tree", "total_tokens": total_tokens,
+            "mean_acceptance_length": tau, "predicted_speedup": (tokens / seconds) * profile.verify(1)}

@@ -1,0 +1,147 @@
+"""The draft side of a generation call: the tree shape, where the draft runs, and `PosSCandidateGenerator`."""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from ..configuration_poss import DEFAULT_TREE_SHAPE
+from ..modeling_poss import PosSDraftModel
+from ..quantization.int8 import linear_device
+from ..speculation.drafter import PosSProposer
+from ..speculation.tree import DraftTree
+
+AUTO_MAX_NODES = 64  # upper bound on verified nodes with tree_total_tokens="auto"
+
+
+def is_tree_draft(model) -> bool:
+    """Whether ``model`` is a PosS draft, i.e. ``generate`` should run tree speculation with it."""
+    return isinstance(model, PosSDraftModel)
+
+
+def tree_shape(draft) -> tuple[int, int, int | str]:
+    """(depth, top_k, total_tokens) from ``draft.generation_config``, defaulting to `DEFAULT_TREE_SHAPE`.
+
+    ``total_tokens`` may be ``"auto"``: the number of verified nodes is then chosen every round from the measured
+    cost curve of this machine (see `transformers_poss.generation.budget`).
+    """
+    config = getattr(draft, "generation_config", None)
+    values = [getattr(config, name, None) or default for name, default in DEFAULT_TREE_SHAPE.items()]
+    auto = values[2] == "auto"
+    depth, top_k = int(values[0]), int(values[1])
+    total = "auto" if auto else int(values[2])
+    if depth < 1 or top_k < 1 or (not auto and total < 2):
+        raise ValueError(f"invalid tree shape: depth={depth}, top_k={top_k}, total_tokens={total}")
+    return depth, top_k, total
+
+
+def lm_head_device(target) -> torch.device:
+    """Where the target's lm_head runs: its accelerate execution device when dispatched/offloaded, else its weight's."""
+    head = target.get_output_embeddings()
+    device = getattr(getattr(head, "_hf_hook", None), "execution_device", None)
+    if device is None:
+        return linear_device(head)
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
+def place_draft(draft, target) -> torch.device:
+    """Move the draft to the device of the target's lm_head and run it in the target's floating dtype (e.g. a draft
+    stored in bf16 beside an fp32 target on a CPU; a quantized draft keeps its own); returns that device."""
+    device = lm_head_device(target)
+    try:
+        current = next(draft.parameters()).device
+    except (StopIteration, AttributeError):
+        current = torch.device("cpu")
+    if current != device:
+        draft.to(device)
+    dtype = getattr(target, "dtype", None)
+    params = [p for p in draft.parameters() if p.is_floating_point()]
+    quantized = getattr(draft, "_poss_quantized", None)
+    if not quantized and dtype is not None and dtype.is_floating_point and params and params[0].dtype != dtype:
+        draft.to(dtype)
+    return device
+
+
+class PosSCandidateGenerator(CandidateGenerator):
+    """A `CandidateGenerator` whose candidates are draft trees (single-row loop).
+
+    It owns the draft's state across rounds (a `PosSProposer`, which keeps each specialist's KV cache of the accepted
+    context), runs the draft on the device of the target's ``lm_head`` and, with ``tree_total_tokens="auto"``, the
+    per-round node budget of this machine.
+
+    Args:
+        draft (`PosSDraftModel`): the draft, attached to ``target``.
+        target (`PreTrainedModel`): the model ``generate`` was called on.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, draft, target):
+        self.draft = draft
+        self.target = target
+        self.depth, self.top_k, self.total_tokens = tree_shape(draft)
+        self.device = place_draft(draft, target)
+        self._setup_budget()
+        self.proposer = self._make_proposer()
+
+    def _make_proposer(self):
+        return PosSProposer(self.draft, depth=self.depth, top_k=self.top_k, total_tokens=self.total_tokens)
+
+    def _setup_budget(self):
+        """Round recording and, with ``tree_total_tokens="auto"``, the machine's speculation budget."""
+        config = self.draft.generation_config
+        self.record = bool(getattr(config, "tree_record_rounds", False))
+        self.rounds = []
+        self.budget = None
+        self.fell_back = False
+        if self.total_tokens == "auto":
+            from .budget import TreeBudget, load_or_measure_profile
+
+            self.total_tokens = int(getattr(config, "tree_max_total_tokens", None) or AUTO_MAX_NODES)
+            profile = load_or_measure_profile(self.target, self.draft, top_k=self.top_k)
+            self.budget = TreeBudget(profile, depth=self.depth, max_nodes=self.total_tokens)
+
+    def _shape_tree(self, tree: DraftTree) -> DraftTree:
+        """With an automatic budget, keep the nodes worth verifying on this machine and set the next drafting depth
+        (one level deeper than the depth kept, see `budget.TreeBudget.choose`)."""
+        if self.budget is None:
+            return tree
+        drafted = getattr(self.proposer, "depth", self.depth)
+        keep, _ = self.budget.choose(tree.scores, tree.depths, drafted_depth=drafted)
+        self.proposer.depth = self.budget.next_depth
+        return tree.select(keep.to(tree.tokens.device))
+
+    def falls_back(self) -> bool:
+        """Whether the automatic budget has decided that speculation does not pay for the rest of the call."""
+        if self.budget is not None and not self.fell_back and self.budget.should_fall_back():
+            self.fell_back = True
+        return self.fell_back
+
+    def observe(self, tree: DraftTree, accepted) -> None:
+        """Feed a verified round back: calibrates the automatic budget; records rounds when asked."""
+        if self.budget is not None and not self.fell_back:
+            self.budget.observe(accepted.num_accepted)
+        if self.record and tree.scores is not None:
+            from .budget import RoundRecord
+
+            self.rounds.append(RoundRecord(depths=tree.depths.cpu(), scores=tree.scores.cpu(),
+                                           path=accepted.path.cpu(), parents=tree.parents.cpu()))
+
+    def get_candidates(
+        self, input_ids: torch.LongTensor, new_tokens: torch.LongTensor = None, new_features: torch.Tensor = None
+    ) -> tuple[DraftTree, None]:
+        """Draft a tree rooted at the last token of ``input_ids``.
+
+        Args:
+            input_ids (`torch.LongTensor` of shape `[1, T]`): the sequence so far; its last token is the root.
+            new_tokens (`torch.LongTensor` of shape `[1, m]`): tokens x_{t+1} of the context pairs accepted since the
+                previous call (the last one is the root).
+            new_features (`torch.Tensor` of shape `[1, m, H]`): the target features f_t of the same pairs.
+
+        Returns:
+            `(tree, None)`: the tree on the device of ``input_ids``; no candidate logits (the draft is deterministic).
+        """
+        if self.falls_back():  # the loop hands over to plain decoding; a root-only tree is a plain step
+            return DraftTree.root_only(input_ids[0, -1]), None
+        tree = self.proposer.propose(new_tokens.to(self.device), new_features.to(self.device))
+        return self._shape_tree(tree).to(input_ids.device), None

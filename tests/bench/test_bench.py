@@ -1,0 +1,381 @@
+"""`poss bench` on tiny random models: report layout, interleaving, equality check, statistics and the CLI."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import tiny_llama
+
+from transformers_poss import cli
+from transformers_poss.cli import bench as bench_cli
+from transformers_poss.bench import build_report, finish, load_questions, mismatch_report, render, run_methods
+from transformers_poss.bench.methods import (GenerationSettings, Method, MethodResult, Prompt, baseline_method,
+                                             prompt_lookup_method, record_candidate_rounds, result_from_generate)
+from transformers_poss.bench.metrics import (PromptRecord, first_mismatch, position_acceptance, summarize,
+                                             time_split)
+
+
+CONTRACT_KEYS = {"tokens_per_s", "speedup", "mean_acceptance_length", "position_acceptance", "identical_to_baseline",
+                 "prompts"}
+
+
+@pytest.fixture(scope="module")
+def model():
+    target = tiny_llama(vocab_size=128, hidden_size=32)
+    target.generation_config.eos_token_id = None  # always generate the full budget
+    return target
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    generator = torch.Generator().manual_seed(3)
+    # repeated n-grams so prompt lookup has something to find
+    rows = []
+    for i in range(3):
+        base = torch.randint(3, 128, (6,), generator=generator)
+        ids = torch.cat([base, base, base[:3]])[None]
+        rows.append(Prompt(i, "file_a" if i < 2 else "file_b", f"cat{i % 2}", f"prompt {i}", ids))
+    return rows
+
+
+def broken(model, prompt_index=1, position=2):
+    """Baseline decoding with one token flipped on one prompt: what a lossy speculator looks like."""
+    base = baseline_method(model)
+
+    def run(prompt, settings):
+        result = base.run(prompt, settings)
+        if prompt.question_id == prompt_index:
+            result.tokens[position] = (result.tokens[position] + 1) % 128
+        return result
+
+    return Method("broken", run)
+
+
+def run_report(model, prompts, methods, tokens=8, **kwargs):
+    records = run_methods(prompts, methods, GenerationSettings(tokens), progress=False, warmup=0, **kwargs)
+    return build_report(records, methods, {"greedy": True})
+
+
+def test_report_layout_and_lossless_methods(model, prompts):
+    methods = [baseline_method(model), prompt_lookup_method(model, num_tokens=4)]
+    report = run_report(model, prompts, methods, tokens=10)
+    assert set(report) == {"environment", "settings", "methods"}
+    assert list(report["methods"]) == ["baseline", "prompt_lookup"]
+    for entry in report["methods"].values():
+        assert CONTRACT_KEYS <= set(entry)
+        assert entry["prompts"] == 3 and entry["identical_to_baseline"] == 3 and entry["mismatches"] == []
+        assert entry["new_tokens"] == 30
+        assert set(entry["by_file"]) == {"file_a", "file_b"} and set(entry["by_category"]) == {"cat0", "cat1"}
+        assert entry["by_file"]["file_a"]["prompts"] == 2
+        assert {"median", "aggregate"} <= set(entry["tokens_per_s"]) | set(entry["speedup"])
+    base, lookup = report["methods"]["baseline"], report["methods"]["prompt_lookup"]
+    assert base["mean_acceptance_length"] == 1.0 and base["speedup"]["aggregate"] == 1.0
+    assert base["position_acceptance"] is None
+    # prompt lookup: per-round lengths cover every new token, and the repeated prompts get drafts accepted
+    for row in lookup["per_prompt"]:
+        assert sum(row["accepted_lengths"]) == row["new_tokens"] == 10
+    assert lookup["mean_acceptance_length"] > 1.0
+    assert lookup["position_acceptance"] and all(0 <= r <= 1 for r in lookup["position_acceptance"])
+    assert mismatch_report(report) == []
+    assert "cpu" in report["environment"] and report["environment"]["versions"]["torch"]
+    json.dumps(report)  # JSON-ready
+
+
+def test_chain_assistant_method(model, prompts):
+    from transformers_poss.bench.methods import assistant_method
+
+    assistant = tiny_llama(vocab_size=128, hidden_size=16, layers=1, seed=5)
+    methods = [baseline_method(model), assistant_method("assistant:tiny", model, assistant, "tiny")]
+    entry = run_report(model, prompts[:2], methods, tokens=8)["methods"]["assistant:tiny"]
+    assert entry["identical_to_baseline"] == 2 and entry["info"]["kind"] == "chain_assistant"
+    assert all(sum(row["accepted_lengths"]) == 8 for row in entry["per_prompt"])
+    assert entry["position_acceptance"] is not None
+
+
+def test_broken_method_is_caught(model, prompts, capsys):
+    methods = [baseline_method(model), broken(model, prompt_index=1, position=2)]
+    report = run_report(model, prompts, methods)
+    entry = report["methods"]["broken"]
+    assert entry["identical_to_baseline"] == 2
+    assert entry["mismatches"] == [{"question_id": 1, "file": "file_a", "first_mismatch": 2}]
+    assert finish(report, None, greedy=True) == 1
+    assert "GREEDY OUTPUT MISMATCH" in capsys.readouterr().err
+    assert finish(report, None, greedy=False) == 0  # sampling: differences are expected, not an error
+
+
+def test_methods_are_interleaved_and_rotated(prompts):
+    calls = []
+
+    def recorder(name):
+        def run(prompt, settings):
+            calls.append((prompt.question_id, name))
+            return MethodResult([1] * settings.max_new_tokens)
+        return Method(name, run)
+
+    methods = [recorder("baseline"), recorder("a"), recorder("b")]
+    records = run_methods(prompts, methods, GenerationSettings(4), progress=False, warmup=1)
+    warm, timed = calls[:3], calls[3:]
+    assert warm == [(0, "baseline"), (0, "a"), (0, "b")]
+    assert [q for q, _ in timed] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert [n for _, n in timed] == ["baseline", "a", "b", "a", "b", "baseline", "b", "baseline", "a"]
+    assert all(r.identical for rs in records.values() for r in rs)
+
+
+def test_run_methods_needs_a_baseline(prompts):
+    with pytest.raises(ValueError, match="baseline"):
+        run_methods(prompts, [Method("x", lambda p, s: MethodResult([]))], GenerationSettings(2), progress=False)
+
+
+def test_first_mismatch():
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 5, 3], [1, 2, 3]) == 1
+    assert first_mismatch([1, 2], [1, 2, 3]) == 2
+
+
+def _record(result, seconds=1.0):
+    return PromptRecord(Prompt(0, "f", "c", "", torch.zeros(1, 2, dtype=torch.long)), result, seconds)
+
+
+def test_position_acceptance_pooling():
+    # rounds offering 3 positions: accepted 0, 1, 2, 3 drafts
+    rounds = _record(MethodResult([0] * 10, accepted_lengths=[1, 2, 3, 4], drafted_lengths=[3, 3, 3, 3]))
+    assert position_acceptance([rounds]) == [0.75, pytest.approx(2 / 3, abs=1e-4), 0.5]
+    # exact counts are summed over prompts before dividing
+    a = _record(MethodResult([0], position_counts=([1, 0], [2, 1])))
+    b = _record(MethodResult([0], position_counts=([3, 2, 1], [4, 3, 2])))
+    assert position_acceptance([a, b]) == [pytest.approx(4 / 6, abs=1e-4), 0.5, 0.5]
+    assert position_acceptance([_record(MethodResult([0]))]) is None
+
+
+def test_time_split_other_is_the_rest():
+    records = [_record(MethodResult([0], time_split={"drafting": 0.5, "verification": 1.0}), seconds=2.0),
+               _record(MethodResult([0]), seconds=5.0)]
+    split = time_split(records)
+    assert split["seconds"] == {"drafting": 0.5, "verification": 1.0, "other": 0.5}
+    assert split["share"]["verification"] == 0.5
+
+
+def test_result_from_tree_generate_output():
+    stats = SimpleNamespace(accepted_lengths=[3, 1, 2], position_acceptance=[0.5, 0.5], position_accepted=[2, 1],
+                            position_proposed=[4, 2], timings={"drafting": 0.1, "verification": 0.2})
+    output = SimpleNamespace(sequences=torch.tensor([[7, 8, 1, 2, 3, 4, 5, 6]]), acceptance=stats)
+    result = result_from_generate(output, prompt_length=2)
+    assert result.tokens == [1, 2, 3, 4, 5, 6] and result.accepted_lengths == [3, 1, 2]
+    assert result.position_counts == ([2, 1], [4, 2]) and result.time_split["verification"] == 0.2
+    assert result.drafted_lengths is None  # no tree depths reported
+
+
+def test_mean_draft_depth_counts_drafting_rounds_only():
+    # two tree rounds of depth 2 and 1, then two plain steps after a fallback (depth 0)
+    stats = SimpleNamespace(accepted_lengths=[3, 1, 1, 1], tree_depths=[2, 1, 0, 0], position_acceptance=[0.5],
+                            position_accepted=[1], position_proposed=[2], timings={})
+    output = SimpleNamespace(sequences=torch.tensor([[7, 8, 1, 2, 3, 4, 5, 6, 9]]), acceptance=stats)
+    result = result_from_generate(output, prompt_length=2)
+    assert result.drafted_lengths == [2, 1, 0, 0]
+    record = _record(result)
+    assert summarize([record], [record])["mean_draft_depth"] == 1.5
+    assert summarize([_record(MethodResult([0, 1]))], [record])["mean_draft_depth"] is None
+
+
+def test_candidate_round_recording_leaves_model_untouched(model, prompts):
+    with record_candidate_rounds(model) as rounds:
+        model.generate(prompts[0].input_ids, max_new_tokens=6, do_sample=False, prompt_lookup_num_tokens=3)
+    assert rounds and all(0 <= accepted <= offered for offered, accepted in rounds)
+    assert "_get_candidate_generator" not in vars(model)
+
+
+def test_load_questions(tmp_path):
+    path = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": "ab"[i // 3], "turns": [f"question {i}", "second turn"]} for i in range(6)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    spread = load_questions([path], num_prompts=4)
+    assert [q["question_id"] for q in spread] == [0, 3, 1, 4]
+    assert spread[0]["text"] == "question 0" and spread[0]["file"] == "q"
+    assert [q["question_id"] for q in load_questions([path], 2, "first")] == [0, 1]
+    assert len(load_questions([path, path], num_prompts=5)) == 10
+    path.write_text(json.dumps({"question_id": 1}) + "\n")
+    with pytest.raises(ValueError, match="turns"):
+        load_questions([path])
+
+
+# ------------------------------------------------------------------------------------------------------ command line
+WORDS = [f"w{i}" for i in range(120)]
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory, model):
+    """A folder holding the tiny model and a word-level tokenizer with a chat template."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(["<unk>", "<s>", "</s>", "user", "assistant", ":"] + WORDS)}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = "{% for m in messages %}user : {{ m['content'] }} {% endfor %}assistant :"
+    folder = tmp_path_factory.mktemp("tiny_target")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _questions(path, count, category):
+    text = "\n".join(json.dumps({"question_id": i, "category": category, "turns": [" ".join(WORDS[i:i + 5] * 2)]})
+                     for i in range(count))
+    path.write_text(text)
+    return str(path)
+
+
+def test_cli_bench_end_to_end(tiny_target_dir, tmp_path, capsys):
+    q1, q2 = _questions(tmp_path / "one.jsonl", 3, "x"), _questions(tmp_path / "two.jsonl", 2, "y")
+    out = tmp_path / "report.json"
+    status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q1, q2, "--num-prompts", "2",
+                       "--max-new-tokens", "6", "--seed", "1", "--threads", "1", "--output", str(out),
+                       "--no-progress"])
+    assert status == 0
+    report = json.loads(out.read_text())
+    assert list(report["methods"]) == ["baseline", "prompt_lookup"]
+    assert report["settings"]["chat_template"] is True and report["settings"]["threads"] == 1
+    assert report["settings"]["max_new_tokens"] == 6 and report["settings"]["greedy"] is True
+    assert set(report["methods"]["baseline"]["by_file"]) == {"one", "two"}
+    assert report["methods"]["prompt_lookup"]["identical_to_baseline"] == 4
+    assert (tmp_path / "report.speedup.png").stat().st_size > 0
+    assert "| baseline |" in capsys.readouterr().out
+
+
+def test_cli_bench_with_a_draft_folder(tiny_target_dir, model, tmp_path):
+    from helpers import tiny_draft
+
+    tiny_draft(model).save_pretrained(tmp_path / "draft")
+    q = _questions(tmp_path / "q.jsonl", 2, "x")
+    out = tmp_path / "r.json"
+    status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "6",
+                       "--draft", f"mine={tmp_path / 'draft'}", "--tree-depth", "2", "--tree-total-tokens", "4",
+                       "--no-prompt-lookup", "--no-plots", "--no-progress", "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert status == 0 and list(report["methods"]) == ["baseline", "mine"]
+    assert report["methods"]["mine"]["identical_to_baseline"] == 2
+    assert report["methods"]["mine"]["info"]["tree"]["depth"] == 2
+    assert report["settings"]["drafts"] == {"mine": str(tmp_path / "draft")}
+
+
+def test_cli_bench_int8_target(tiny_target_dir, tmp_path, monkeypatch):
+    from transformers_poss.quantization import int8 as quantize
+
+    quantized = []
+    original = quantize.apply_quantization
+    monkeypatch.setattr(quantize, "apply_quantization", lambda m, mode: quantized.append(mode) or original(m, mode))
+    q = _questions(tmp_path / "q.jsonl", 2, "x")
+    out = tmp_path / "r.json"
+    status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "6",
+                       "--quantize", "int8", "--no-plots", "--no-progress", "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert status == 0 and report["settings"]["quantize"] == "int8" and quantized == ["int8"]
+    assert report["methods"]["prompt_lookup"]["identical_to_baseline"] == 2
+
+
+def test_cli_bench_exits_non_zero_on_mismatch(tiny_target_dir, tmp_path, monkeypatch, capsys):
+    original = bench_cli.build_methods
+    monkeypatch.setattr(bench_cli, "build_methods",
+                        lambda args, target: original(args, target) + [broken(target, prompt_index=0, position=0)])
+    q = _questions(tmp_path / "q.jsonl", 2, "x")
+    status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "4",
+                       "--no-prompt-lookup", "--no-plots", "--no-progress", "--output", str(tmp_path / "r.json")])
+    assert status == 1
+    assert "broken: 1 of 2 outputs differ" in capsys.readouterr().err
+
+
+def test_cli_bench_sampling_does_not_demand_equality(tiny_target_dir, tmp_path, monkeypatch):
+    original = bench_cli.build_methods
+    monkeypatch.setattr(bench_cli, "build_methods",
+                        lambda args, target: original(args, target) + [broken(target, prompt_index=0, position=0)])
+    q = _questions(tmp_path / "q.jsonl", 2, "x")
+    out = tmp_path / "r.json"
+    status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "4",
+                       "--temperature", "0.8", "--top-p", "0.9", "--no-plots", "--no-progress", "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert status == 0 and report["settings"]["greedy"] is False
+    assert report["methods"]["broken"]["identical_to_baseline"] < 2
+
+
+def test_cli_help_lists_the_contract_flags(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--target", "--draft", "--questions", "--num-prompts", "--max-new-tokens", "--temperature", "--seed",
+                 "--threads", "--output", "--tree-depth", "--tree-top-k", "--tree-total-tokens", "--sweep"):
+        assert flag in text
+    assert cli.main([]) == 2
+
+
+def test_cli_generate(tiny_target_dir, capsys):
+    status = cli.main(["generate", "--target", str(tiny_target_dir), "--max-new-tokens", "5", "w1 w2 w3"])
+    assert status == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() and "tokens/s" in captured.err
+
+
+def test_draft_labels():
+    assert bench_cli._labelled(["drafts/a/", "x=drafts/b", "other/a"]) == [
+        ("a", "drafts/a/"), ("x", "drafts/b"), ("a-2", "other/a")]
+
+
+# ------------------------------------------------------------------------------------------ PosS tree speculation
+def test_tree_draft_method_and_sweep(model, prompts, monkeypatch, tmp_path):
+    from helpers import tiny_draft
+
+    monkeypatch.setenv("POSS_CACHE", str(tmp_path))  # the automatic budget measures and caches a cost profile
+
+    from transformers_poss.bench.methods import draft_method
+
+    draft = tiny_draft(model)
+    own_shape = (draft.generation_config.tree_depth, draft.generation_config.tree_total_tokens)
+    methods = [baseline_method(model), draft_method("poss", model, draft, "tiny", depth=3, top_k=3, total_tokens=6)]
+    for depth, total in ((2, 4), (3, 8), (3, "auto")):
+        method = draft_method(f"poss[d={depth},n={total}]", model, draft, "tiny", depth, 2, total)
+        method.info.update({"sweep": True, "draft": "poss"})
+        methods.append(method)
+    report = run_report(model, prompts[:2], methods, tokens=8)
+    for name, entry in report["methods"].items():
+        assert entry["identical_to_baseline"] == 2, name  # lossless
+    entry = report["methods"]["poss"]
+    assert entry["info"]["tree"] == {"depth": 3, "top_k": 3, "total_tokens": 6}
+    for row in entry["per_prompt"]:  # rounds cover every new token except the one from the prefill forward
+        assert row["new_tokens"] - 1 <= sum(row["accepted_lengths"]) <= row["new_tokens"] == 8
+    assert entry["mean_acceptance_length"] >= 1.0
+    assert 1 <= len(entry["position_acceptance"]) <= 3
+    assert {"drafting", "verification", "other"} <= set(entry["time_split"]["seconds"])
+    assert (draft.generation_config.tree_depth, draft.generation_config.tree_total_tokens) == own_shape
+    shapes = report["sweep"]["shapes"]
+    assert [(s["depth"], s["total_tokens"]) for s in shapes] == [(2, 4), (3, 8), (3, "auto")]
+    fixed = [s for s in shapes if s["total_tokens"] != "auto"]
+    assert report["sweep"]["best"]["poss"]["speedup"] == max(s["speedup"] for s in fixed)
+    auto = report["sweep"]["auto_vs_best"]["poss"]
+    assert auto["auto"] == "poss[d=3,n=auto]"
+    assert auto["ratio"] == auto["auto_speedup"] / max(s["speedup"] for s in fixed)
+    assert "auto" in render(report)
+    assert bench_cli._total_tokens_list("8,auto,16") == [8, "auto", 16]
+
+
+def test_cli_bench_batch_sizes(tiny_target_dir, model, tmp_path, capsys):
+    from helpers import tiny_draft
+
+    tiny_draft(model).save_pretrained(tmp_path / "draft")
+    q = _questions(tmp_path / "q.jsonl", 3, "x")
+    out = tmp_path / "r.json"
+    status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "6",
+                       "--draft", f"mine={tmp_path / 'draft'}", "--tree-depth", "2", "--tree-total-tokens", "8", "--tree-top-k", "2",
+                       "--batch-size", "1", "2", "--no-progress", "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert status == 0 and report["settings"]["batch_sizes"] == [1, 2]
+    rows = {(e["batch_size"], e["method"]): e for e in report["batched"]["results"]}
+    assert set(rows) == {(1, "baseline"), (1, "mine"), (2, "baseline"), (2, "mine")}
+    assert rows[(2, "mine")]["batches"] == 2 and rows[(2, "mine")]["identical_rows"] == 3
+    assert rows[(1, "mine")]["tree_total_tokens_per_row"] == 8 and rows[(2, "mine")]["tree_total_tokens_per_row"] == 4
+    assert all(e["tokens_per_s"] > 0 for e in rows.values())
+    assert report["methods"]["mine"]["identical_to_baseline"] == 6
+    assert "| 2 | mine |" in capsys.readouterr().out

@@ -1,0 +1,215 @@
+"""Speculation budget: cost profiles, per-round node choice, fallback, replay of recorded rounds."""
+
+import torch
+
+from helpers import tiny_draft, tiny_llama
+from transformers_poss.generation.budget import (
+    CostProfile,
+    RoundRecord,
+    TreeBudget,
+    measure_draft_seconds,
+    measure_verify_seconds,
+    simulate_shape,
+    truncated_accepted,
+)
+
+
+def _profile(curve, draft=0.0):
+    return CostProfile(key="k", verify_seconds=curve, draft_context_seconds=draft, draft_step_seconds=draft)
+
+
+def test_profile_interpolates_and_round_trips():
+    p = _profile({1: 1.0, 4: 2.5, 8: 4.0})
+    assert p.verify(2) == 1.5 and p.verify(8) == 4.0 and p.verify(12) == 5.5
+    assert p.curve() == {1: 1.0, 4: 2.5, 8: 4.0}
+    assert CostProfile.from_json(p.to_json()) == p
+
+
+def _scores():
+    # root, two depth-1 nodes (p=.9, .05), children of node 1 (p=.8*.9, .1*.9), child of node 3 (p=.7*.72)
+    probs = torch.tensor([1.0, 0.9, 0.05, 0.72, 0.09, 0.504])
+    return probs.log()
+
+
+_DEPTHS = torch.tensor([0, 1, 1, 2, 2, 3])  # depths of the nodes of _scores()
+
+
+def test_flat_cost_keeps_every_node_steep_cost_keeps_few():
+    scores = _scores()
+    flat = TreeBudget(_profile({1: 1.0, 64: 1.0}), depth=3, max_nodes=6)
+    keep, _ = flat.choose(scores)
+    assert keep.tolist() == [0, 1, 2, 3, 4, 5]
+    steep = TreeBudget(_profile({1: 1.0, 2: 1.3, 64: 64.0}), depth=3, max_nodes=6)
+    keep, rate = steep.choose(scores)
+    assert keep.tolist()[0] == 0 and len(keep) < 6
+    # kept nodes are closed under parents: node 5 (child of 3, child of 1) only with 3 and 1
+    assert set(keep.tolist()) <= {0, 1, 3, 5} and rate > 1.0
+
+
+def test_calibration_and_fallback():
+    budget = TreeBudget(_profile({1: 1.0, 2: 1.9, 64: 64.0}, draft=0.5), depth=3, max_nodes=6, warmup_rounds=3)
+    for _ in range(3):
+        budget.choose(_scores())
+        budget.observe(0)  # the draft is always wrong
+    assert budget.calibration < 0.7
+    assert budget.should_fall_back()
+    good = TreeBudget(_profile({1: 1.0, 8: 1.05}, draft=0.01), depth=3, max_nodes=6, warmup_rounds=3)
+    for _ in range(3):
+        good.choose(_scores())
+        good.observe(3)
+    assert not good.should_fall_back() and good.predicted_speedup() > 1.5
+
+
+def test_fallback_uses_the_acceptance_observed_not_the_drafts_estimate():
+    """A draft confident in its first rounds but never right: the rounds so far are slower than plain decoding, so
+    the budget falls back right after its warm-up, whatever the draft's probabilities promised."""
+    budget = TreeBudget(_profile({1: 1.0, 2: 1.2, 64: 1.5}), depth=3, max_nodes=6, warmup_rounds=2)
+    for _ in range(2):
+        keep, rate = budget.choose(_scores(), _DEPTHS)
+        assert len(keep) > 1 and rate > 1.5  # the draft's estimate: well worth it
+        budget.observe(0)
+    assert budget.tokens == 2 and budget.predicted_speedup() < 1.0 and budget.should_fall_back()
+
+
+def test_replay_truncation():
+    record = RoundRecord(depths=torch.tensor([0, 1, 1, 2, 2, 3]), scores=_scores(), path=torch.tensor([0, 1, 3, 5]))
+    assert truncated_accepted(record, depth=3, total_tokens=6) == 3
+    assert truncated_accepted(record, depth=2, total_tokens=6) == 2
+    assert truncated_accepted(record, depth=3, total_tokens=2) == 1  # only the best node (1) survives
+    result = simulate_shape([record, record], _profile({1: 1.0, 6: 2.0}), depth=3, total_tokens=6)
+    assert result["mean_acceptance_length"] == 4.0 and abs(result["predicted_speedup"] - 2.0) < 1e-9
+
+
+def test_measurements_run_on_a_tiny_model():
+    target = tiny_llama()
+    times = measure_verify_seconds(target, sizes=(1, 4), context_length=16, repeats=2)
+    assert set(times) == {1, 4} and all(t > 0 for t in times.values())
+    context, step = measure_draft_seconds(tiny_draft(target), top_k=2, context_length=16, repeats=2)
+    assert context > 0 and step >= 0
+
+
+def _generate(target, draft, **kwargs):
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    plain = target.generate(ids, max_new_tokens=24, do_sample=False)
+    out = target.generate(ids, assistant_model=draft, max_new_tokens=24, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)  # lossless whatever the budget decides
+    return out.acceptance
+
+
+def test_auto_budget_in_generate_measures_once_and_stays_lossless(tmp_path, monkeypatch):
+    monkeypatch.setenv("POSS_CACHE", str(tmp_path))
+    target = tiny_llama()
+    draft = tiny_draft(target)
+    draft.generation_config.tree_total_tokens = "auto"
+    draft.generation_config.tree_max_total_tokens = 8
+    stats = _generate(target, draft)
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 1  # the profile is cached on disk
+    assert stats.num_rounds >= 1
+
+
+def test_auto_budget_falls_back_when_speculation_cannot_pay(tmp_path, monkeypatch):
+    from transformers_poss.generation import budget as budget_module
+
+    # a machine where drafting is very expensive: no tree can pay for itself
+    expensive = _profile({1: 1.0, 64: 2.0}, draft=50.0)
+    monkeypatch.setattr(budget_module, "load_or_measure_profile", lambda *a, **k: expensive)
+    target = tiny_llama()
+    draft = tiny_draft(target)
+    draft.generation_config.tree_total_tokens = "auto"
+    stats = _generate(target, draft)
+    assert stats.fell_back_to_plain
+    assert stats.accepted_lengths[-1] == 1
+
+
+def test_rounds_are_recorded_for_replay():
+    target = tiny_llama()
+    draft = tiny_draft(target)
+    draft.generation_config.tree_record_rounds = True
+    stats = _generate(target, draft)
+    assert len(stats.rounds) == stats.num_rounds
+    profile = _profile({1: 1.0, 64: 1.0})
+    replay = simulate_shape(stats.rounds, profile, depth=6, total_tokens=60)
+    assert abs(replay["mean_acceptance_length"] - stats.mean_acceptance_length) < 1e-9
+
+
+def test_chain_rounds_replayed_as_a_chain_match_the_run():
+    """Rounds of a tree_top_k=1 run are chains: replaying them as chains of the same depth gives the run's acceptance,
+    shorter chains accept a prefix of it."""
+    target = tiny_llama()
+    draft = tiny_draft(target)
+    train_ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    from tree_testing import train_draft_briefly
+
+    train_draft_briefly(target, draft, [train_ids], steps=80)
+    draft.generation_config.tree_depth, draft.generation_config.tree_top_k = 4, 1
+    draft.generation_config.tree_total_tokens = 5
+    draft.generation_config.tree_record_rounds = True
+    stats = _generate(target, draft)
+    assert max(stats.accepted_lengths) >= 3
+    profile = _profile({1: 1.0, 64: 1.0})
+    replay = simulate_shape(stats.rounds, profile, depth=4, total_tokens=5, top_k=1)
+    assert replay["kind"] == "chain" and abs(replay["mean_acceptance_length"] - stats.mean_acceptance_length) < 1e-9
+    for record, accepted in zip(stats.rounds, stats.accepted_lengths):
+        assert truncated_accepted(record, 4, 5, top_k=1) == accepted - 1
+        assert truncated_accepted(record, 2, 60, top_k=1) == min(accepted - 1, 2)
+
+
+
+def test_depth_is_chosen_with_the_nodes():
+    # a drafting step costs as much as a verification: only the depth-1 nodes pay for their drafting
+    costly = TreeBudget(_profile({1: 1.0, 64: 1.0}, draft=1.0), depth=3, max_nodes=6)
+    keep, rate = costly.choose(_scores(), _DEPTHS)
+    assert keep.tolist() == [0, 1, 2] and costly.chosen_depth == 1 and costly.next_depth == 2
+    assert abs(rate - 1.95 / 2.0) < 1e-6  # (1 + 0.9 + 0.05) / (draft(1) + t(3))
+    # free drafting and flat verification: every node, the full depth
+    free = TreeBudget(_profile({1: 1.0, 64: 1.0}), depth=3, max_nodes=6)
+    keep, _ = free.choose(_scores(), _DEPTHS)
+    assert keep.tolist() == [0, 1, 2, 3, 4, 5] and free.chosen_depth == 3 and free.next_depth == 3
+    # a shallower drafted tree: only its depths are candidates, the next round probes one level deeper
+    keep, _ = free.choose(_scores()[:3], _DEPTHS[:3], drafted_depth=1)
+    assert keep.tolist() == [0, 1, 2] and free.chosen_depth == 1 and free.next_depth == 2
+    # nothing pays: root only, depth 0, and the next round drafts one level
+    steep = TreeBudget(_profile({1: 1.0, 2: 100.0, 64: 100.0}), depth=3, max_nodes=6)
+    keep, _ = steep.choose(_scores(), _DEPTHS)
+    assert keep.tolist() == [0] and steep.chosen_depth == 0 and steep.next_depth == 1
+    # the node cap holds across depths
+    capped = TreeBudget(_profile({1: 1.0, 64: 1.0}), depth=3, max_nodes=3)
+    keep, _ = capped.choose(_scores(), _DEPTHS)
+    assert keep.tolist() == [0, 1, 3] and capped.chosen_depth == 2
+
+
+def test_auto_budget_chooses_the_drafting_depth(monkeypatch):
+    from transformers_poss.generation import budget as budget_module
+    from transformers_poss.speculation.drafter import PosSProposer
+
+    # flat verification, expensive drafting steps: depth-1 trees pay, deeper levels do not
+    profile = CostProfile(key="k", verify_seconds={1: 1.0, 64: 1.0}, draft_context_seconds=0.01,
+                          draft_step_seconds=5.0)
+    monkeypatch.setattr(budget_module, "load_or_measure_profile", lambda *a, **k: profile)
+    monkeypatch.setattr(TreeBudget, "should_fall_back", lambda self: False)
+    drafted = []
+    original = PosSProposer.propose
+
+    def propose(self, *args):
+        drafted.append(self.depth)
+        return original(self, *args)
+
+    monkeypatch.setattr(PosSProposer, "propose", propose)
+    target = tiny_llama()
+    draft = tiny_draft(target)
+    draft.generation_config.tree_depth, draft.generation_config.tree_top_k = 4, 3
+    draft.generation_config.tree_total_tokens = "auto"
+    stats = _generate(target, draft)
+    assert drafted[0] == 4 and set(drafted[1:]) == {2}  # chosen depth 1, probing depth 2
+    # (the last round may be cut to its root: the token budget is spent)
+    assert stats.tree_depths[:-1] == [1] * (stats.num_rounds - 1) and not stats.fell_back_to_plain
+
+    # cheap drafting: the depth grows back to the configured one, one level per round at most
+    cheap = CostProfile(key="k", verify_seconds={1: 1.0, 64: 1.0}, draft_context_seconds=0.0, draft_step_seconds=0.0)
+    monkeypatch.setattr(budget_module, "load_or_measure_profile", lambda *a, **k: cheap)
+    drafted.clear()
+    stats = _generate(target, draft)
+    assert len(stats.tree_depths) == stats.num_rounds
+    assert all(d <= max(previous, 1) + 1 for previous, d in zip(stats.tree_depths, stats.tree_depths[1:]))
+    assert all(d <= drafted_depth for d, drafted_depth in zip(stats.tree_depths, drafted))
+    assert max(drafted) == 4
