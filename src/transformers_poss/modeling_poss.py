@@ -362,13 +362,16 @@ class PosSDraftModel(PosSPreTrainedModel):
         """
         from .proposer import PosSProposer
 
+        from .checks import tree_value
+
         gen = self.generation_config
-        proposer = PosSProposer(
-            self,
-            depth=depth or gen.tree_depth,
-            top_k=top_k or gen.tree_top_k,
-            total_tokens=total_tokens or gen.tree_total_tokens,
+        depth, top_k, total_tokens = (
+            tree_value(name, getattr(gen, name) if value is None else value)
+            for name, value in zip(("tree_depth", "tree_top_k", "tree_total_tokens"), (depth, top_k, total_tokens))
         )
+        if total_tokens == "auto":
+            raise ValueError("draft_tree needs a node count: pass total_tokens=N ('auto' is chosen inside generate).")
+        proposer = PosSProposer(self, depth=depth, top_k=top_k, total_tokens=total_tokens)
         return proposer.propose(input_ids[:, 1:], target_hidden_states)
 
     # ------------------------------------------------------------------ hub
@@ -388,11 +391,12 @@ class PosSDraftModel(PosSPreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         from .hub import load_tree_generation_config
+        from .loading_checks import checked_from_pretrained
 
+        model, info = checked_from_pretrained(super().from_pretrained, pretrained_model_name_or_path, *args, **kwargs)
         model.generation_config = load_tree_generation_config(pretrained_model_name_or_path, model.config, kwargs)
-        return model
+        return (model, info) if kwargs.get("output_loading_info") else model
 
     @classmethod
     def from_official(cls, repo_id_or_folder, target=None, positions_per_specialist=None, **kwargs):

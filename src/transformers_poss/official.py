@@ -132,6 +132,10 @@ def load_official(cls, repo_id_or_folder: str, target=None, positions_per_specia
     ``PosS<N>`` in the name; a multi-specialist checkpoint with neither is refused. A stored ``embed_tokens`` equal
     to the target's is dropped in favour of the target's; a different one is kept as the draft's own.
     """
+    if positions_per_specialist is not None:
+        from .checks import positive_int
+
+        positions_per_specialist = positive_int("positions_per_specialist", positions_per_specialist)
     folder = resolve_folder(repo_id_or_folder, **hub_kwargs)
     config_path = os.path.join(folder, "config.json")
     if not os.path.exists(config_path):
