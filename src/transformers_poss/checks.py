@@ -88,3 +88,17 @@ def require_file(path, what: str = "file") -> None:
     if not os.path.isfile(path):
         kind = "is a folder, not a file" if os.path.isdir(path) else "does not exist"
         raise FileNotFoundError(f"{what} {path} {kind}.")
+
+
+def check_writable(path) -> None:
+    """Refuse an output file whose folder cannot be created or written (checked before any long run)."""
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    if os.path.isdir(path):
+        raise ValueError(f"output {path} is a folder; give a file name.")
+    folder = os.path.dirname(path)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot write {path}: {folder} is a file, not a folder.")
+    if not os.access(folder, os.W_OK):
+        raise PermissionError(f"cannot write {path}: {folder} is not writable.")

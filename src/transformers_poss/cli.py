@@ -36,12 +36,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """Top-level parser; only the chosen subcommand's module is imported to fill in its options."""
     parser = argparse.ArgumentParser(prog="poss", description="PosS tree speculative decoding for transformers")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error (or POSS_DEBUG=1)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = _chosen(argv)
     for name, (module, summary) in COMMANDS.items():
         sub = subparsers.add_parser(name, help=summary, description=summary)
         if name == chosen:
             importlib.import_module(module).add_arguments(sub)
+            sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
@@ -58,8 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    from .cli_errors import run_reporting_errors
+
     module = importlib.import_module(COMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    return run_reporting_errors(args.command, module.run, args)
 
 
 if __name__ == "__main__":

@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 
+from .cli_errors import positive_int
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("source", help="Hub id or folder of the official checkpoint (config.json + weights)")
     parser.add_argument("output", help="folder to write (save_pretrained layout, safetensors)")
     parser.add_argument("--target", default=None, help="embedded name, Hub id or folder of the target (recommended: "
                         "records its fingerprint and drops a stored embedding equal to the target's)")
-    parser.add_argument("--positions-per-specialist", type=int, default=None,
+    parser.add_argument("--positions-per-specialist", type=positive_int, default=None,
                         help="N of PosS-N; read from 'PosS<N>' in the source name when omitted")
 
 
 def run(args) -> int:
+    from .checks import require_local_path
     from .official import convert_official
 
+    require_local_path(args.source, "checkpoint folder")  # before the target loads
+    if args.target:
+        require_local_path(args.target, "target folder")
     target = None
     if args.target:
         from .embedded import load_target

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 
+from .cli_errors import positive_int
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("draft", help="folder of the draft (save_pretrained layout)")
     parser.add_argument("--target", required=True, help="embedded name, Hub id or folder of the target (for its tokenizer)")
-    parser.add_argument("--size", type=int, default=8192, help="number of tokens in the draft vocabulary")
+    parser.add_argument("--size", type=positive_int, default=8192, help="number of tokens in the draft vocabulary")
     parser.add_argument("--corpus", nargs="+", required=True,
                         help="JSONL files (ShareGPT 'conversations', OpenAI 'messages' or 'text') or plain text files")
     parser.add_argument("--output", required=True, help="folder to write the draft with its token map")

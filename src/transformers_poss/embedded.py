@@ -224,7 +224,22 @@ def resolve_target(name_or_path: str | os.PathLike) -> str:
     key = str(name_or_path)
     if key in EMBEDDED_TARGETS:
         return str(embedded_folder(key))
+    check_target_name(key)
     return key
+
+
+def check_target_name(name: str) -> None:
+    """Refuse a missing local path, and a near miss of an embedded name, before it is tried as a Hub id."""
+    import difflib
+
+    from .checks import require_local_path
+
+    require_local_path(name, "target folder")
+    if "/" not in name and not os.path.exists(name):
+        close = difflib.get_close_matches(name.lower(), list(EMBEDDED_TARGETS), n=1, cutoff=0.6)
+        if close:
+            raise ValueError(f"{name!r} is not an embedded target nor a local folder; did you mean {close[0]!r}? "
+                             f"(embedded: {', '.join(EMBEDDED_TARGETS)}; else a Hub id org/name or a folder)")
 
 
 def uses_chat_template(name_or_path: str | os.PathLike, tokenizer) -> bool:

@@ -67,7 +67,17 @@ def _layer_count(keys) -> int | None:
     return max(indices) + 1 if indices else None
 
 
-def check_draft_folder(folder: str) -> None:
+def check_draft_source(source: str) -> None:
+    """Check a draft given by path or Hub id where official checkpoints are accepted too (``poss bench --draft``):
+    a missing local path or a folder that is neither a PosS draft nor an authors' checkpoint is refused."""
+    from .checks import require_local_path
+
+    require_local_path(source, "draft folder")
+    if os.path.isdir(source):
+        check_draft_folder(source, allow_official=True)
+
+
+def check_draft_folder(folder: str, allow_official: bool = False) -> None:
     """Refuse a local folder that cannot be a readable PosS draft, before transformers loads it.
 
     Raises:
@@ -83,6 +93,8 @@ def check_draft_folder(folder: str) -> None:
         official = "fc.weight" in keys
         found = f"model_type {model_type!r}" if model_type else "no model_type"
         if official or (not keys and os.path.isfile(os.path.join(folder, "pytorch_model.bin"))):
+            if allow_official:
+                return
             raise ValueError(
                 f"{folder} is not a PosS draft saved by this library ({found}); if it is a checkpoint released with "
                 f"the PosS paper or an EAGLE / HASS one, {_OFFICIAL_HINT}."

@@ -204,9 +204,9 @@ def build_draft(config, target, train_dataset, tokenizer):
 
 
 def _last_checkpoint(output_dir):
-    from transformers.trainer_utils import get_last_checkpoint
+    from .checkpoints import last_complete_checkpoint
 
-    return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    return last_complete_checkpoint(output_dir)
 
 
 def train(config, target, tokenizer, train_dataset, eval_dataset):
@@ -261,12 +261,16 @@ def run(args) -> int:
     if args.dry_run:
         print(yaml.safe_dump(config, sort_keys=False))
         return 0
+    from .recipe_checks import check_draft_fits, check_recipe
+
+    check_recipe(config)  # before any model loads
     from transformers import set_seed
 
     from ..embedded import load_target
 
     set_seed(config["seed"])
     target, tokenizer = load_target(config["target"], device=resolve_device(config["device"]))
+    check_draft_fits(config, target)  # before the data and feature stages
     train_dataset, eval_dataset = build_datasets(config, target, tokenizer)
     if config["stage"] in ("data", "features"):
         return 0
