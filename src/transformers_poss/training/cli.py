@@ -27,6 +27,7 @@ Config (YAML or JSON; every key optional except ``target``):
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -87,7 +88,7 @@ def _set(config: dict, dotted: str, value) -> None:
 
 def resolve_config(path: str | None = None, overrides=(), **flags) -> dict:
     """Defaults <- config file <- ``--set`` overrides <- explicit flags."""
-    config = _merge(DEFAULTS, {})
+    config = _merge(copy.deepcopy(DEFAULTS), {})  # a copy: overrides must not change DEFAULTS
     if path:
         with open(path, encoding="utf-8") as handle:
             loaded = json.load(handle) if path.endswith(".json") else yaml.safe_load(handle)
