@@ -475,3 +475,50 @@ def test_draft_shape_is_checked_against_the_target(tmp_path, target):
     check_draft_fits(_recipe(tmp_path), target)
     with pytest.raises(ValueError, match="`draft` does not fit the target x: `draft_vocab_size` \\(500\\) exceeds"):
         check_draft_fits(_recipe(tmp_path, **{"draft.draft_vocab_size": 500}), target)
+
+
+# ---------------------------------------------------------------------------------------------------- found later
+def test_specialist_index_must_be_an_integer_in_range(target):
+    draft = tiny_draft(target)
+    features = torch.randn(1, 3, 64)
+    for bad in (True, 1.0, 2, -1):
+        with pytest.raises(ValueError, match=r"specialist must be in \[0, 2\)"):
+            draft(input_ids=PROMPT[:, :3], target_hidden_states=features, specialist=bad)
+    out = draft(input_ids=PROMPT[:, :3], target_hidden_states=features, specialist=torch.tensor(1))
+    torch.testing.assert_close(out.last_hidden_state,
+                               draft(input_ids=PROMPT[:, :3], target_hidden_states=features, specialist=1).last_hidden_state)
+
+
+def test_token_map_of_floats_is_refused(target):
+    from transformers_poss.vocab import set_token_map
+
+    with pytest.raises(ValueError, match="token map ids must be integers"):
+        set_token_map(tiny_draft(target), torch.tensor([1.5, 2.5]))
+
+
+def test_recipe_overrides_do_not_change_the_defaults(tmp_path):
+    from transformers_poss.training.cli import DEFAULTS, resolve_config
+
+    before = json.dumps(DEFAULTS, sort_keys=True)
+    resolve_config(None, ["draft.num_specialists=4", "training.max_steps=3"], target="x")
+    assert json.dumps(DEFAULTS, sort_keys=True) == before
+
+
+def test_device_checks_before_loading():
+    from transformers_poss.checks import check_device
+
+    check_device("cpu")
+    with pytest.raises(ValueError, match="unknown device 'gpu'"):
+        check_device("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU is available here; use --device cpu"):
+            check_device("cuda")
+    with pytest.raises(ValueError, match="--quantize int8 is the lossless CPU path"):
+        check_device("meta", "int8")
+
+
+def test_empty_draft_path():
+    from transformers_poss.loading_checks import check_draft_source
+
+    with pytest.raises(ValueError, match="an empty name was given as the draft folder"):
+        check_draft_source("")

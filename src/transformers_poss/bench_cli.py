@@ -12,7 +12,7 @@ from .bench import build_report, finish, load_questions, make_prompts, run_metho
 from .bench_methods import (GenerationSettings, assistant_method, baseline_method, draft_method,
                             prompt_lookup_method)
 from .bench_runtime import environment
-from .checks import check_writable, require_local_path
+from .checks import check_device, check_writable, require_local_path
 from .cli_errors import (int_list, non_negative_int, positive_int, probability, temperature, tree_total_tokens,
                          tree_total_tokens_list)
 
@@ -31,6 +31,7 @@ def check_arguments(args) -> None:
     for label, source in _labelled(args.assistant):
         require_local_path(source, "assistant folder")
     require_local_path(args.target, "target folder")
+    check_device(args.device, args.quantize)
     if args.output:
         check_writable(args.output)
 

@@ -79,6 +79,8 @@ def require_local_path(name, what: str = "folder") -> None:
     """Raise ``FileNotFoundError`` when ``name`` is meant as a local path (`looks_like_local_path`) but is missing,
     instead of letting it be tried as a Hub id."""
     name = str(name)
+    if not name.strip():
+        raise ValueError(f"an empty name was given as the {what}.")
     if not os.path.exists(os.path.expanduser(name)) and looks_like_local_path(name):
         raise FileNotFoundError(f"{name}: no such {what} (it is a local path, so it is not looked up on the Hub).")
 
@@ -102,3 +104,22 @@ def check_writable(path) -> None:
         raise ValueError(f"cannot write {path}: {folder} is a file, not a folder.")
     if not os.access(folder, os.W_OK):
         raise PermissionError(f"cannot write {path}: {folder} is not writable.")
+
+
+def check_device(name, quantize: str | None = None) -> None:
+    """Refuse a device this machine does not have (or int8 quantization, a CPU path, on another device) before
+    any model is loaded."""
+    if name is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}; use cpu, cuda or cuda:N.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for but no CUDA GPU is available here; use --device cpu.")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} does not exist: {torch.cuda.device_count()} GPU(s) are visible.")
+    if quantize == "int8" and device.type != "cpu":
+        raise ValueError("--quantize int8 is the lossless CPU path; use it with --device cpu (or drop it on a GPU).")

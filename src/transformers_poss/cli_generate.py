@@ -74,13 +74,14 @@ def run(args) -> int:
 
 def check_arguments(args, text: str) -> None:
     """Everything `poss generate` can check before loading a model (numbers are checked by their argparse types)."""
-    from .checks import require_local_path
+    from .checks import check_device, require_local_path
     from .loading_checks import check_draft_source
 
     if not text.strip():
         where = "on stdin" if args.prompt is None else "given"
         raise ValueError(f"the prompt {where} is empty: pass the prompt text as an argument or pipe it in.")
     require_local_path(args.target, "target folder")
+    check_device(args.device, args.quantize)
     if args.draft:
         check_draft_source(args.draft)
 

@@ -335,8 +335,10 @@ class PosSDraftModel(PosSPreTrainedModel):
             from .training.objective import training_forward
 
             return training_forward(self, input_ids, target_hidden_states, **training_inputs)
-        if not 0 <= specialist < self.config.num_specialists:
-            raise ValueError(f"specialist must be in [0, {self.config.num_specialists}), got {specialist}.")
+        valid = hasattr(specialist, "__index__") and not isinstance(specialist, bool)  # ints, numpy / 0-d tensor ints
+        if not valid or not 0 <= int(specialist) < self.config.num_specialists:
+            raise ValueError(f"specialist must be in [0, {self.config.num_specialists}), got {specialist!r}.")
+        specialist = int(specialist)
         hidden = self.fuse(input_ids, target_hidden_states)
         batch, length, _ = hidden.shape
         past = cache.get_seq_length(specialist) if cache is not None else 0

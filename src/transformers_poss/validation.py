@@ -93,8 +93,11 @@ def check_inputs(model, input_ids, generation_config, model_kwargs, synced_gpus)
 
 
 def check_materialized(model, draft) -> None:
-    """Refuse a target or draft whose weights are on the meta device (created empty, never loaded)."""
+    """Refuse a target or draft whose weights are on the meta device (created empty, never loaded). Weights offloaded
+    by accelerate (``device_map`` with disk / CPU offload) are on "meta" too but are loaded by hooks: those pass."""
     for name, module in (("target", model), ("PosS draft", draft)):
+        if getattr(module, "hf_device_map", None) or any(hasattr(m, "_hf_hook") for m in module.modules()):
+            continue
         if any(p.device.type == "meta" for p in module.parameters()):
             raise ValueError(
                 f"The {name} has weights on the meta device (an empty model, e.g. from init_empty_weights or "
