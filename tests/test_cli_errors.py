@@ -185,3 +185,23 @@ def test_installed_command_prints_two_lines_and_exits_non_zero(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 2 and "Traceback" not in result.stderr
     assert "missing.jsonl does not exist" in lines[0] and "POSS_DEBUG=1" in lines[1]
+
+
+def test_vocab_corpus_without_text_before_loading(capsys, no_model_loads, tmp_path):
+    tiny_draft(tiny_llama()).save_pretrained(tmp_path / "draft")
+    corpus = tmp_path / "q.jsonl"
+    corpus.write_text('{"turns": ["a question, not a conversation"]}\n')
+    with pytest.raises(SystemExit, match="the corpus holds no text"):
+        cli.main(["vocab", str(tmp_path / "draft"), "--target", "x", "--corpus", str(corpus), "--output", "o"])
+
+
+def test_warnings_are_one_line(capsys, monkeypatch):
+    import warnings
+
+    from transformers_poss.cli_errors import short_warnings
+
+    monkeypatch.delenv("POSS_DEBUG", raising=False)
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+    short_warnings()
+    warnings.warn("near-ties ahead", UserWarning)
+    assert capsys.readouterr().err == "poss: warning: near-ties ahead\n"

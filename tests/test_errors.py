@@ -522,3 +522,10 @@ def test_empty_draft_path():
 
     with pytest.raises(ValueError, match="an empty name was given as the draft folder"):
         check_draft_source("")
+
+
+def test_embedded_prefix_gets_a_did_you_mean():
+    from transformers_poss.embedded import load_target
+
+    with pytest.raises(ValueError, match="did you mean 'smollm2-135m-instruct'"):
+        load_target("smollm2")

@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    from .cli_errors import run_reporting_errors
+    from .cli_errors import run_reporting_errors, short_warnings
 
+    short_warnings()
     module = importlib.import_module(COMMANDS[args.command][0])
     return run_reporting_errors(args.command, module.run, args)
 

@@ -58,6 +58,19 @@ def run_reporting_errors(command: str, run, args) -> int:
         return report(command, error)
 
 
+def short_warnings() -> None:
+    """Show warnings as one line, ``poss: warning: MESSAGE`` (no source line), unless debugging."""
+    import warnings
+
+    if debug_requested():
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"poss: warning: {message}", file=file or sys.stderr)
+
+    warnings.showwarning = show
+
+
 # ---------------------------------------------------------------------------------------------------- arg types
 def _integer(text: str, minimum: int, what: str) -> int:
     try:

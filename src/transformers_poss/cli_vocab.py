@@ -99,6 +99,8 @@ def run(args) -> int:
 
     check_arguments(args)
     texts = list(corpus_texts(args.corpus))  # read (and checked) before anything is loaded
+    if not any(text.strip() for text in texts):
+        raise SystemExit("the corpus holds no text: give JSONL conversations or text files")
     _, tokenizer = load_target(args.target)
     counts = count_text_tokens(texts, tokenizer)
     if int(counts.sum()) == 0:

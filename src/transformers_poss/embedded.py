@@ -236,7 +236,8 @@ def check_target_name(name: str) -> None:
 
     require_local_path(name, "target folder")
     if "/" not in name and not os.path.exists(name):
-        close = difflib.get_close_matches(name.lower(), list(EMBEDDED_TARGETS), n=1, cutoff=0.6)
+        close = [known for known in EMBEDDED_TARGETS if known.startswith(name.lower())]
+        close = close or difflib.get_close_matches(name.lower(), list(EMBEDDED_TARGETS), n=1, cutoff=0.6)
         if close:
             raise ValueError(f"{name!r} is not an embedded target nor a local folder; did you mean {close[0]!r}? "
                              f"(embedded: {', '.join(EMBEDDED_TARGETS)}; else a Hub id org/name or a folder)")
@@ -267,9 +268,15 @@ def load_target(name_or_path: str | os.PathLike, dtype: torch.dtype | str = torc
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = resolve_target(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation,
-                                                 **kwargs)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation,
+                                                     **kwargs)
+    except OSError as error:
+        if os.path.exists(folder):
+            raise
+        raise OSError(f"{name_or_path}: not an embedded target ({', '.join(EMBEDDED_TARGETS)}), not a local folder, "
+                      f"and loading it as a Hub id failed: {str(error).strip().splitlines()[0]}") from error
     if device is not None:
         model = model.to(device)
     model.eval()
