@@ -529,3 +529,49 @@ def test_embedded_prefix_gets_a_did_you_mean():
 
     with pytest.raises(ValueError, match="did you mean 'smollm2-135m-instruct'"):
         load_target("smollm2")
+
+
+def test_checkpoints_appear_only_once_complete(tmp_path, monkeypatch):
+    from transformers import Trainer
+
+    from test_training_trainer import _args, _sequences
+    from transformers_poss.training.checkpoints import last_complete_checkpoint
+    from transformers_poss.training.trainer import PosSTrainer
+
+    target = tiny_llama()
+    out = tmp_path / "out"
+
+    def trainer():
+        args = _args(tmp_path, output_dir=str(out), max_steps=6, save_strategy="steps", save_steps=3)
+        return PosSTrainer(model=tiny_draft(target).train(), args=args, target=target, train_dataset=_sequences(24))
+
+    saves = []
+    original = Trainer._save_rng_state
+
+    def killed_on_second_save(self, output_dir):
+        saves.append(output_dir)
+        if len(saves) == 2:
+            raise KeyboardInterrupt  # the process dies while checkpoint-6 is being written
+        return original(self, output_dir)
+
+    monkeypatch.setattr(Trainer, "_save_rng_state", killed_on_second_save)
+    with pytest.raises(KeyboardInterrupt):
+        trainer().train()
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-3"]
+    assert (out / ".staging" / "checkpoint-6").is_dir()  # the half-written one never got its final name
+    assert last_complete_checkpoint(out) == str(out / "checkpoint-3")
+    monkeypatch.setattr(Trainer, "_save_rng_state", original)
+    trainer().train(resume_from_checkpoint=last_complete_checkpoint(out))
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-3", "checkpoint-6"]
+    assert json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())["global_step"] == 6
+
+
+def test_atomic_checkpoints_keep_the_save_total_limit(tmp_path):
+    from test_training_trainer import _args, _sequences
+    from transformers_poss.training.trainer import PosSTrainer
+
+    target = tiny_llama()
+    args = _args(tmp_path, output_dir=str(tmp_path / "out"), max_steps=6, save_strategy="steps", save_steps=2,
+                 save_total_limit=2)
+    PosSTrainer(model=tiny_draft(target).train(), args=args, target=target, train_dataset=_sequences(24)).train()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoint-4", "checkpoint-6"]

@@ -1,9 +1,14 @@
-"""Resuming only from complete checkpoints.
+"""Checkpoints a kill cannot leave half-written, and resuming only from complete ones.
 
-The Trainer writes a checkpoint's files one after the other, the trainer state (``trainer_state.json``) last. A run
-killed while saving leaves a ``checkpoint-N`` folder without a readable trainer state or with a cut-off weights
-file. [`last_complete_checkpoint`] skips such a folder (renaming it ``incomplete-checkpoint-N``, so neither resuming
-nor the Trainer's checkpoint rotation picks it up again) and returns the newest complete one.
+[`AtomicCheckpointMixin`] makes a Trainer write each checkpoint into a staging folder
+(``output_dir/.staging/checkpoint-N``) and rename it to ``output_dir/checkpoint-N`` once every file is written, so
+a ``checkpoint-N`` folder is always complete (single-process runs; with several processes, each of which writes its
+own files into the checkpoint, or with ``push_to_hub``, the Trainer's own in-place save is kept).
+
+The Trainer writes a checkpoint's files one after the other, the trainer state (``trainer_state.json``) last. A
+checkpoint written in place and cut off by a kill has no readable trainer state or a cut-off weights file:
+[`last_complete_checkpoint`] skips such a folder (renaming it ``incomplete-checkpoint-N``, so neither resuming nor
+the Trainer's checkpoint rotation picks it up again) and returns the newest complete one.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import warnings
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -64,3 +70,49 @@ def last_complete_checkpoint(output_dir, quarantine: bool = True) -> str | None:
             message += f" It was moved to {aside}."
         warnings.warn(message, stacklevel=2)
     return None
+
+
+STAGING = ".staging"
+
+
+class AtomicCheckpointMixin:
+    """Mixin for a `transformers.Trainer`: checkpoints appear under their final name only once complete."""
+
+    def _atomic_saves(self, trial) -> bool:
+        args = self.args
+        return trial is None and args.world_size == 1 and not args.push_to_hub and args.should_save
+
+    def _get_output_dir(self, trial):
+        output_dir = super()._get_output_dir(trial)
+        staging = getattr(self, "_poss_staging", None)
+        return staging if staging is not None else output_dir
+
+    def _save_checkpoint(self, model, trial):
+        if not self._atomic_saves(trial):
+            return super()._save_checkpoint(model, trial)
+        run_dir = super()._get_output_dir(trial)
+        staging = os.path.join(run_dir, STAGING)
+        shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while saving
+        os.makedirs(staging)
+        name = f"checkpoint-{self.state.global_step}"
+        best_before = self.state.best_model_checkpoint
+        self._poss_staging = staging
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._poss_staging = None
+        staged, final = os.path.join(staging, name), os.path.join(run_dir, name)
+        if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(staging):
+            self.state.best_model_checkpoint = final
+            self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
+        elif best_before and self.state.best_model_checkpoint != best_before:
+            self.state.best_model_checkpoint = best_before  # an older best lives in run_dir, not in staging
+            self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(staged, final)
+        shutil.rmtree(staging, ignore_errors=True)
+        from transformers.trainer_utils import rotate_checkpoints
+
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from .checkpoints import AtomicCheckpointMixin
 from .features import PosSDataCollator, TargetFeatures, batch_to, draft_inputs
 from .objective import ObjectiveConfig, set_objective
 
@@ -177,7 +178,7 @@ def init_specialists(draft, source, copy_fc: bool = True):
     return draft
 
 
-class PosSTrainer(Trainer):
+class PosSTrainer(AtomicCheckpointMixin, Trainer):
     """Trainer for PosS drafts.
 
     Args:
