@@ -34,7 +34,9 @@ def _chosen(argv: list[str]) -> str | None:
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """Top-level parser; only the chosen subcommand's module is imported to fill in its options."""
-    parser = argparse.ArgumentParser(prog="poss", description="PosS tree speculative decoding for transformers")
+    from .cli_errors import ShortErrorParser
+
+    parser = ShortErrorParser(prog="poss", description="PosS tree speculative decoding for transformers")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error (or POSS_DEBUG=1)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")

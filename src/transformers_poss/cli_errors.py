@@ -15,6 +15,13 @@ from .checks import is_auto
 EXIT_USER_ERROR = 2
 
 
+class ShortErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are two lines (the error, then where the help is), not the full usage."""
+
+    def error(self, message):
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message}\n(see `{self.prog} --help`)\n")
+
+
 def debug_requested(args=None) -> bool:
     return bool(getattr(args, "debug", False)) or os.environ.get("POSS_DEBUG", "").strip() not in ("", "0")
 
