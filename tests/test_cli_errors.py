@@ -142,7 +142,7 @@ def _train_config(tmp_path, **draft):
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant",
                                                                                  "content": "a"}]}) + "\n")
     config = {"target": "x", "output_dir": str(tmp_path / "out"), "data": {"train": [str(data)]},
-              "draft": {"num_specialists": 2, "positions_per_specialist": 1, **draft}}
+              "draft": {"num_specialists": 2, "positions_per_specialist": 1, **draft}, "training": {"use_cpu": True}}
     path = tmp_path / "recipe.json"
     path.write_text(json.dumps(config))
     return path
@@ -150,7 +150,12 @@ def _train_config(tmp_path, **draft):
 
 def test_train_bad_draft_shape_before_loading(capsys, no_model_loads, tmp_path):
     _short_error(capsys, ["train", "--config", str(_train_config(tmp_path, num_specialists=0))],
-                 "`draft.num_specialists` must be an integer >= 1, got 0")
+                 "`--num_specialists` must be an integer >= 1, got 0")
+
+
+def test_train_missing_data_file_before_loading(capsys, no_model_loads, tmp_path):
+    _short_error(capsys, ["train", "--config", str(_train_config(tmp_path)), "--train", str(tmp_path / "no.jsonl")],
+                 "no.jsonl does not exist")
 
 
 def test_train_draft_that_cannot_fit_fails_before_data_and_features(capsys, monkeypatch, tmp_path):
@@ -163,7 +168,12 @@ def test_train_draft_that_cannot_fit_fails_before_data_and_features(capsys, monk
 
     monkeypatch.setattr(train_cli, "build_datasets", no_data)
     _short_error(capsys, ["train", "--config", str(_train_config(tmp_path, draft_vocab_size=4096))],
-                 "`draft` does not fit the target x")
+                 "the draft does not fit the target x")
+
+
+def test_train_debug_flag(monkeypatch, no_model_loads, tmp_path):
+    with pytest.raises(ValueError, match="must be an integer >= 1, got 0"):
+        cli.main(["train", "--debug", "--config", str(_train_config(tmp_path, num_specialists=0))])
 
 
 def test_debug_flag_and_environment_show_the_traceback(monkeypatch, no_model_loads):

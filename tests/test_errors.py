@@ -428,36 +428,30 @@ def test_question_file_missing_and_bad_count(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- train recipe
-def _recipe(tmp_path, **changes):
-    from transformers_poss.training.cli import resolve_config
+def _run_config(tmp_path, *flags):
+    from transformers_poss.training.config import parse_train_args
 
     data = tmp_path / "train.jsonl"
     data.write_text(GOOD + "\n")
-    config = resolve_config(None, [f"data.train={data}", f"output_dir={tmp_path / 'out'}"], target="x")
-    for key, value in changes.items():
-        node = config
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
-    return config
+    return parse_train_args(["--target", "x", "--train", str(data), "--output_dir", str(tmp_path / "out"),
+                             "--use_cpu", "true", *flags])
 
 
-@pytest.mark.parametrize("key, value, problem", [
-    ("draft.num_specialists", 0, "`draft.num_specialists` must be an integer >= 1, got 0"),
-    ("draft.positions_per_specialist", 1.5, "`draft.positions_per_specialist` must be an integer"),
-    ("features", "offlne", "`features` must be one of offline, online"),
-    ("data.train", ["missing.jsonl"], "data.train file missing.jsonl does not exist"),
-    ("training", {"max_step": 3}, "did you mean `training.max_steps`"),
-    ("training", {"output_dir": "x"}, "set from the recipe's top level"),
-    ("data.eval_fraction", 1.0, "must be below 1"),
+@pytest.mark.parametrize("flags, problem", [
+    (["--num_specialists", "0"], "`--num_specialists` must be an integer >= 1, got 0"),
+    (["--positions_per_specialist", "-2"], "`--positions_per_specialist` must be an integer >= 1, got -2"),
+    (["--train", "missing.jsonl"], "--train file missing.jsonl does not exist"),
+    (["--train", "./data/missing"], "no such --train file"),
+    (["--eval_fraction", "1.0"], "must be below 1"),
+    (["--init_from", "./no/such/draft"], "no such --init_from draft folder"),
+    (["--generation_max_new_tokens", "0"], "`--generation_max_new_tokens` must be an integer >= 1"),
 ])
-def test_recipe_checks(tmp_path, key, value, problem):
+def test_recipe_checks(tmp_path, flags, problem):
     from transformers_poss.training.recipe_checks import check_recipe
 
-    check_recipe(_recipe(tmp_path))  # the unchanged recipe passes
+    check_recipe(_run_config(tmp_path))  # the unchanged run passes
     with pytest.raises((ValueError, FileNotFoundError), match=problem):
-        check_recipe(_recipe(tmp_path, **{key: value}))
+        check_recipe(_run_config(tmp_path, *flags))
 
 
 def test_prompts_file_needs_prompt_strings(tmp_path):
@@ -466,15 +460,30 @@ def test_prompts_file_needs_prompt_strings(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "a"}\n{"text": "b"}\n')
     with pytest.raises(ValueError, match=f'{prompts}: record 2 needs a non-empty "prompt" string'):
-        check_recipe(_recipe(tmp_path, **{"data.prompts": [str(prompts)]}))
+        check_recipe(_run_config(tmp_path, "--prompts", str(prompts)))
+
+
+def test_init_from_vocabulary_conflict_is_found_before_the_data_stage(tmp_path, target):
+    from transformers_poss.training.recipe_checks import check_recipe
+    from transformers_poss.vocab import set_token_map
+
+    source = tiny_draft(target, num_specialists=1)
+    set_token_map(source, torch.arange(32))
+    source.save_pretrained(tmp_path / "eagle")
+    check_recipe(_run_config(tmp_path, "--init_from", str(tmp_path / "eagle"), "--draft_vocab_size", "32"))
+    with pytest.raises(ValueError, match="--draft_vocab_size 16 differs from the vocabulary of --init_from"):
+        check_recipe(_run_config(tmp_path, "--init_from", str(tmp_path / "eagle"), "--draft_vocab_size", "16"))
+    target.save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match="is not a PosS draft"):
+        check_recipe(_run_config(tmp_path, "--init_from", str(tmp_path / "llama")))
 
 
 def test_draft_shape_is_checked_against_the_target(tmp_path, target):
     from transformers_poss.training.recipe_checks import check_draft_fits
 
-    check_draft_fits(_recipe(tmp_path), target)
-    with pytest.raises(ValueError, match="`draft` does not fit the target x: `draft_vocab_size` \\(500\\) exceeds"):
-        check_draft_fits(_recipe(tmp_path, **{"draft.draft_vocab_size": 500}), target)
+    check_draft_fits(_run_config(tmp_path), target)
+    with pytest.raises(ValueError, match="the draft does not fit the target x: `draft_vocab_size` \\(500\\) exceeds"):
+        check_draft_fits(_run_config(tmp_path, "--draft_vocab_size", "500"), target)
 
 
 # ---------------------------------------------------------------------------------------------------- found later
@@ -494,14 +503,6 @@ def test_token_map_of_floats_is_refused(target):
 
     with pytest.raises(ValueError, match="token map ids must be integers"):
         set_token_map(tiny_draft(target), torch.tensor([1.5, 2.5]))
-
-
-def test_recipe_overrides_do_not_change_the_defaults(tmp_path):
-    from transformers_poss.training.cli import DEFAULTS, resolve_config
-
-    before = json.dumps(DEFAULTS, sort_keys=True)
-    resolve_config(None, ["draft.num_specialists=4", "training.max_steps=3"], target="x")
-    assert json.dumps(DEFAULTS, sort_keys=True) == before
 
 
 def test_device_checks_before_loading():

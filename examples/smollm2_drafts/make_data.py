@@ -1,8 +1,11 @@
 """Self-distilled training data for drafts of the embedded SmolLM2-135M-Instruct target (resumable).
 
-1. The target writes user prompts itself (sampled from its chat template's user prefix; deduplicated, degenerate
-   ones dropped, evaluation prompts excluded).
+1. The target writes user prompts itself (sampled from its chat template's user prefix, steered in turn toward
+   the kinds of requests users send: writing, role-play, reasoning, math, coding, extraction, STEM, humanities,
+   short and long answers; deduplicated, degenerate ones dropped, evaluation prompts excluded).
 2. The target answers them (greedy, batched), so drafts learn the target's own outputs.
+3. Optionally (``--followups N``) the target writes a follow-up user turn for N answered conversations and answers
+   it too: multi-turn data in ``followups.jsonl.gz``.
 
 Everything is appended to JSONL files and stored compressed in ``data/smollm2-135m-instruct/`` so the work can span
 several sittings: run the script again and it continues where it stopped. ``--minutes`` bounds one sitting.
@@ -25,7 +28,8 @@ import torch
 
 from transformers_poss.embedded import load_target
 from transformers_poss.training.cli import resolve_device
-from transformers_poss.training.distill import read_jsonl, regenerate, synthesize_prompts
+from transformers_poss.training.distill import (REQUEST_CATEGORIES, read_jsonl, regenerate, synthesize_followups,
+                                                synthesize_prompts)
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data" / "smollm2-135m-instruct"
@@ -67,6 +71,9 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk", type=int, default=64, help="answers generated between checkpoints")
     parser.add_argument("--minutes", type=float, default=60.0, help="stop after about this long")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-categories", action="store_true",
+                        help="sample new prompts from the bare template instead of by request category")
+    parser.add_argument("--followups", type=int, default=0, help="answered conversations that get a follow-up turn")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -80,7 +87,7 @@ def main(argv=None) -> int:
     while have < args.prompts and time.time() < deadline:
         goal = min(args.prompts, have + max(256, args.prompt_batch_size))
         synthesize_prompts(target, tokenizer, goal, prompts_file, batch_size=args.prompt_batch_size, exclude=exclude,
-                           seed=have, progress=False)
+                           seed=have, progress=False, categories=None if args.no_categories else REQUEST_CATEGORIES)
         have = len(read_jsonl(prompts_file))
         _pack(prompts_file)
     prompts = [r["prompt"] for r in read_jsonl(prompts_file)]
@@ -101,7 +108,34 @@ def main(argv=None) -> int:
                     if m["role"] == "assistant")
         print(f"[data] {len(records)} conversations, {total} assistant tokens, "
               f"{stats['tokens_per_s']:.1f} tok/s this chunk", flush=True)
+    if args.followups and time.time() < deadline:
+        followups(target, tokenizer, args, exclude, deadline)
     return 0
+
+
+def followups(target, tokenizer, args, exclude, deadline) -> None:
+    """Follow-up turns for the first ``--followups`` answered conversations, answered by the target (resumable)."""
+    answered = sorted(read_jsonl(_unpack("conversations.jsonl")), key=lambda r: r["id"])[: args.followups]
+    questions_file = _unpack("followup-prompts.jsonl")
+    asked = {r["source"] for r in read_jsonl(questions_file)}
+    todo = [r for r in answered if r["id"] not in asked]
+    for start in range(0, len(todo), args.chunk):
+        if time.time() >= deadline:
+            break
+        chunk = todo[start : start + args.chunk]
+        turns = synthesize_followups(target, tokenizer, [r["messages"] for r in chunk], batch_size=args.prompt_batch_size,
+                                     seed=start, exclude=exclude)
+        with open(questions_file, "a", encoding="utf-8") as handle:
+            for record, messages in zip(chunk, turns):
+                handle.write(json.dumps({"source": record["id"], "messages": messages}, ensure_ascii=False) + "\n")
+        _pack(questions_file)
+    usable = [r["messages"] for r in read_jsonl(questions_file) if r["messages"]]
+    answers_file = _unpack("followups.jsonl")
+    if time.time() < deadline:
+        regenerate(target, tokenizer, usable, answers_file, batch_size=args.batch_size,
+                   max_new_tokens=args.max_new_tokens, progress=False)
+        _pack(answers_file)
+    print(f"[data] {len(read_jsonl(answers_file))} conversations with a follow-up turn", flush=True)
 
 
 if __name__ == "__main__":

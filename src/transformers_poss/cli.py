@@ -1,8 +1,8 @@
 """The `poss` command: a thin dispatcher over subcommands.
 
 Each subcommand lives in its own module, imported only when that subcommand runs. A module provides
-``add_arguments(parser)`` and ``run(args) -> int`` (the exit status); adding a subcommand is one entry in
-`COMMANDS`.
+``add_arguments(parser)`` and ``run(args) -> int`` (the exit status), or ``main(argv) -> int`` when it parses its
+own arguments; adding a subcommand is one entry in `COMMANDS`.
 """
 
 from __future__ import annotations
@@ -45,13 +45,21 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         sub = subparsers.add_parser(name, help=summary, description=summary)
         if name == chosen:
             importlib.import_module(module).add_arguments(sub)
-            sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: ``poss COMMAND [options]``."""
+    from .cli_errors import run_reporting_errors, short_warnings, take_debug_flag
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    argv, debug = take_debug_flag(argv)
+    short_warnings(debug)
+    chosen = _chosen(argv)
+    if chosen in COMMANDS and argv and argv[0] == chosen:
+        module = importlib.import_module(COMMANDS[chosen][0])
+        if hasattr(module, "main"):  # a subcommand with a parser of its own (`poss train`: HfArgumentParser)
+            return run_reporting_errors(chosen, module.main, argv[1:], debug=debug)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if args.version:
@@ -62,11 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    from .cli_errors import run_reporting_errors, short_warnings
-
-    short_warnings()
     module = importlib.import_module(COMMANDS[args.command][0])
-    return run_reporting_errors(args.command, module.run, args)
+    return run_reporting_errors(args.command, module.run, args, debug=debug)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,15 @@ class ShortErrorParser(argparse.ArgumentParser):
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message}\n(see `{self.prog} --help`)\n")
 
 
-def debug_requested(args=None) -> bool:
-    return bool(getattr(args, "debug", False)) or os.environ.get("POSS_DEBUG", "").strip() not in ("", "0")
+def debug_requested(debug: bool = False) -> bool:
+    """``--debug`` was given, or ``POSS_DEBUG`` is set (to anything but 0)."""
+    return bool(debug) or os.environ.get("POSS_DEBUG", "").strip() not in ("", "0")
+
+
+def take_debug_flag(argv: list[str]) -> tuple[list[str], bool]:
+    """``argv`` without ``--debug`` (accepted anywhere, also for subcommands with their own parser) and whether it
+    was there."""
+    return [a for a in argv if a != "--debug"], "--debug" in argv
 
 
 def short_message(error: BaseException) -> str:
@@ -50,7 +57,7 @@ def report(command: str, error: BaseException, stream=None) -> int:
     return EXIT_USER_ERROR
 
 
-def run_reporting_errors(command: str, run, args) -> int:
+def run_reporting_errors(command: str, run, args, debug: bool = False) -> int:
     """``run(args)``, with exceptions turned into a short report unless debugging was asked for."""
     try:
         return int(run(args) or 0)
@@ -60,16 +67,16 @@ def run_reporting_errors(command: str, run, args) -> int:
     except SystemExit:
         raise
     except Exception as error:  # noqa: BLE001 - every error reaches the user as a short message
-        if debug_requested(args):
+        if debug_requested(debug):
             raise
         return report(command, error)
 
 
-def short_warnings() -> None:
+def short_warnings(debug: bool = False) -> None:
     """Show warnings as one line, ``poss: warning: MESSAGE`` (no source line), unless debugging."""
     import warnings
 
-    if debug_requested():
+    if debug_requested(debug):
         return
 
     def show(message, category, filename, lineno, file=None, line=None):

@@ -65,9 +65,13 @@ def last_complete_checkpoint(output_dir, quarantine: bool = True) -> str | None:
             return folder
         aside = os.path.join(output_dir, f"incomplete-{name}")
         message = f"{folder} is incomplete ({problem}); resuming from an earlier checkpoint instead."
-        if quarantine and not os.path.exists(aside):
-            os.replace(folder, aside)
-            message += f" It was moved to {aside}."
+        main_process = int(os.environ.get("RANK", "0")) == 0  # under DDP only rank 0 moves it
+        if quarantine and main_process and not os.path.exists(aside):
+            try:
+                os.replace(folder, aside)
+                message += f" It was moved to {aside}."
+            except OSError:
+                pass
         warnings.warn(message, stacklevel=2)
     return None
 

@@ -4,7 +4,10 @@
   (batched ``generate``, turn by turn, conversations of similar length together). Resumable JSONL output.
 - [`synthesize_prompts`]: without any dataset, sample user turns from the target itself: the chat template is
   rendered up to where a user message starts and the target continues from there. Empty, truncated, degenerate and
-  duplicate prompts are dropped. Resumable JSONL output.
+  duplicate prompts are dropped. Resumable JSONL output. ``categories`` (e.g. [`REQUEST_CATEGORIES`]) steer the
+  prompts toward the kinds of requests users send, one system instruction per category, taken in turn.
+- [`synthesize_followups`]: the target writes the next user turn of answered conversations (follow-up questions),
+  for [`regenerate`] to answer.
 
 Evaluation prompts (MT-Bench and the like) must never be fed here; ``exclude`` removes given prompts explicitly.
 """
@@ -24,6 +27,8 @@ __all__ = [
     "end_of_turn_ids",
     "is_degenerate",
     "synthesize_prompts",
+    "synthesize_followups",
+    "REQUEST_CATEGORIES",
     "regenerate",
     "read_jsonl",
     "int8_copy",
@@ -31,6 +36,23 @@ __all__ = [
 
 _SENTINEL = "\u2063POSS_USER_TURN\u2063"
 _END_MARKERS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>")
+
+
+# Kinds of requests users send, each with the instruction that makes the target write such a request as the user.
+REQUEST_CATEGORIES = {
+    "writing": "You are a user of an AI assistant. Ask it to write something: a story, poem, email, speech or post.",
+    "roleplay": "You are a user of an AI assistant. Ask it to play a character or role and answer as that character.",
+    "reasoning": "You are a user of an AI assistant. Ask it a puzzle or a question that needs step-by-step reasoning.",
+    "math": "You are a user of an AI assistant. Ask it to solve a math problem: arithmetic, algebra, geometry or "
+            "probability.",
+    "coding": "You are a user of an AI assistant. Ask it to write, explain or fix a short piece of code.",
+    "extraction": "You are a user of an AI assistant. Give it a short text and ask it to extract, list or summarise "
+                  "facts from it.",
+    "stem": "You are a user of an AI assistant. Ask it a question about science, engineering or technology.",
+    "humanities": "You are a user of an AI assistant. Ask it about history, philosophy, art, economics or society.",
+    "short": "You are a user of an AI assistant. Ask a quick question that needs a one-sentence answer.",
+    "long": "You are a user of an AI assistant. Ask for a detailed, thorough explanation or a long piece of text.",
+}
 
 
 def read_jsonl(path) -> list[dict]:
@@ -142,18 +164,29 @@ def _generate(target, tokenizer, texts, stop_ids, max_new_tokens, temperature, t
 
 def synthesize_prompts(target, tokenizer, num_prompts: int, output_path, batch_size: int = 16,
                        max_new_tokens: int = 96, temperature: float = 1.0, top_p: float = 0.95, seed: int = 0,
-                       exclude=(), chat_template=None, max_rounds: int | None = None, progress: bool = True) -> list[str]:
+                       exclude=(), chat_template=None, max_rounds: int | None = None, progress: bool = True,
+                       categories: dict[str, str] | None = None) -> list[str]:
     """Sample ``num_prompts`` distinct user prompts from the target; appended to ``output_path`` as
-    ``{"prompt": ...}`` lines. Already written prompts count (resume). Returns all prompts in the file."""
-    prefix = user_prefix(tokenizer, chat_template)
+    ``{"prompt": ...}`` lines (plus ``"category"`` when ``categories`` are given). Already written prompts count
+    (resume). Returns all prompts in the file.
+
+    ``categories`` maps a name to a system instruction that asks the target, writing as the user, for that kind of
+    request; rounds take the categories in turn, so every kind is represented. Without it the user turn is sampled
+    from the bare template.
+    """
+    names = list(categories or {None: None})
+    prefixes = {name: user_prefix(tokenizer, chat_template, categories[name] if name else None) for name in names}
     stop_ids = end_of_turn_ids(tokenizer, target)
-    prompts = [r["prompt"] for r in read_jsonl(output_path)]
+    records = read_jsonl(output_path)
+    prompts = [r["prompt"] for r in records]
     seen = {_normalized(p) for p in prompts} | {_normalized(p) for p in exclude}
     bar = tqdm(total=num_prompts, initial=min(len(prompts), num_prompts), desc="prompts", disable=not progress)
     rounds = 0
     while len(prompts) < num_prompts and (max_rounds is None or rounds < max_rounds):
+        name = names[(len(records) + rounds) % len(names)]
         torch.manual_seed(seed + len(prompts) * 7919 + rounds)
-        rows, finished = _generate(target, tokenizer, [prefix] * batch_size, stop_ids, max_new_tokens, temperature, top_p)
+        rows, finished = _generate(target, tokenizer, [prefixes[name]] * batch_size, stop_ids, max_new_tokens,
+                                   temperature, top_p)
         rounds += 1
         fresh = []
         for row, done in zip(rows, finished):
@@ -163,11 +196,49 @@ def synthesize_prompts(target, tokenizer, num_prompts: int, output_path, batch_s
                 seen.add(key)
                 fresh.append(text)
         fresh = fresh[: num_prompts - len(prompts)]
-        _append_jsonl(output_path, [{"prompt": p} for p in fresh])
+        _append_jsonl(output_path, [{"prompt": p} | ({"category": name} if name else {}) for p in fresh])
         prompts += fresh
         bar.update(len(fresh))
     bar.close()
     return prompts
+
+
+def _next_user_prefix(tokenizer, messages, chat_template=None) -> str:
+    """Chat-template text of ``messages`` up to where the content of the next user message starts."""
+    text = tokenizer.apply_chat_template(list(messages) + [{"role": "user", "content": _SENTINEL}], tokenize=False,
+                                         chat_template=chat_template)
+    if _SENTINEL not in text:
+        raise ValueError("The chat template does not show the user message verbatim; cannot find the user prefix.")
+    return text[: text.index(_SENTINEL)]
+
+
+def synthesize_followups(target, tokenizer, conversations, batch_size: int = 16, max_new_tokens: int = 96,
+                         temperature: float = 1.0, top_p: float = 0.95, seed: int = 0, exclude=(),
+                         chat_template=None) -> list[list[dict] | None]:
+    """A follow-up user turn for each answered conversation, written by the target as the user.
+
+    Returns, per conversation, its system/user turns plus the follow-up (assistant turns dropped, ready for
+    [`regenerate`] to answer every turn), or ``None`` where the target wrote nothing usable (unfinished, degenerate,
+    a repeat of the first turn, or an excluded prompt).
+    """
+    stop_ids = end_of_turn_ids(tokenizer, target)
+    excluded = {_normalized(p) for p in exclude}
+    out: list[list[dict] | None] = []
+    for start in range(0, len(conversations), batch_size):
+        chunk = conversations[start : start + batch_size]
+        torch.manual_seed(seed + start)
+        texts = [_next_user_prefix(tokenizer, c, chat_template) for c in chunk]
+        rows, finished = _generate(target, tokenizer, texts, stop_ids, max_new_tokens, temperature, top_p)
+        for conversation, row, done in zip(chunk, rows, finished):
+            text = tokenizer.decode(row, skip_special_tokens=True).strip()
+            earlier = {_normalized(m["content"]) for m in conversation if m["role"] == "user"}
+            key = _normalized(text)
+            if not done or is_degenerate(text) or key in earlier or key in excluded:
+                out.append(None)
+                continue
+            kept = [m for m in conversation if m["role"] != "assistant"]
+            out.append(kept + [{"role": "user", "content": text}])
+    return out
 
 
 def regenerate(target, tokenizer, conversations, output_path, batch_size: int = 16, max_new_tokens: int = 512,

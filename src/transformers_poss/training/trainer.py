@@ -13,16 +13,20 @@ A plain `transformers.Trainer` already trains a draft on offline features (the d
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.utils import logging
 
 from .checkpoints import AtomicCheckpointMixin
 from .features import PosSDataCollator, TargetFeatures, batch_to, draft_inputs
-from .objective import ObjectiveConfig, set_objective
+from .objective import OBJECTIVE_FIELDS, ObjectiveConfig, ObjectiveFields, check_objective, set_objective
+
+logger = logging.get_logger(__name__)
 
 __all__ = [
     "PosSTrainingArguments",
@@ -37,31 +41,35 @@ __all__ = [
 
 
 @dataclass
-class PosSTrainingArguments(TrainingArguments):
-    r"""[`TrainingArguments`] with the draft objective's settings and the PosS authors' optimiser defaults
-    (AdamW lr 3e-5, betas (0.9, 0.95), 1% linear warmup then linear decay, gradient clipping by value 0.5).
+class PosSTrainingArguments(ObjectiveFields, TrainingArguments):
+    r"""[`TrainingArguments`] with the draft objective's settings (the fields of [`ObjectiveFields`], defined there
+    once) and the PosS authors' optimiser defaults (AdamW lr 3e-5, betas (0.9, 0.95), 1% linear warmup then linear
+    decay, gradient clipping by value 0.5).
 
     Args:
-        num_unrolled_steps (`int`, *optional*): steps unrolled per batch (default: the draft's training_depth).
-        feature_weight, ce_weight, topk_weight, topk: loss weights (see [`ObjectiveConfig`]).
-        noise, noise_scale: input-feature noise (``"uniform"`` width or ``"gaussian"`` std; ``"none"``).
-        attention_chunk_size (`int`): queries per attention call in unrolled steps.
+        num_unrolled_steps, feature_weight, ce_weight, topk_weight, topk, noise, noise_scale, step_weights,
+            attention_chunk_size: the objective (see [`ObjectiveConfig`]).
         max_length (`int`): tokens per sequence (longer ones are truncated by the collator).
         max_grad_value (`float`, *optional*): clip every gradient entry to [-v, v] before the optimiser step.
-        max_train_minutes (`float`, *optional*): wall-time limit of one `train()` call; when it is reached the run
-            stops after the current step (the learning-rate schedule is not shortened) and ``train()`` returns.
+        fc_learning_rate_scale (`float`): learning rate of the shared ``fc`` relative to the rest (1.0); ``0`` freezes
+            it. In a multi-step draft the later steps give most of ``fc``'s gradient; a draft started from a trained
+            EAGLE layer keeps its step-1 behaviour better with a slower or frozen ``fc``.
+        train_budget_minutes (`float`, *optional*): size the schedule to this much wall time: a few batches are timed
+            before training and ``max_steps`` is set to the steps that fit (at most ``num_train_epochs`` epochs), so the
+            learning-rate schedule always runs to its end. The choice is stored in ``output_dir/schedule.json`` and
+            reused when a run resumes.
+        max_train_minutes (`float`, *optional*): hard wall-time limit of one `train()` call; when it is reached the
+            run stops after the current step (the learning-rate schedule is cut short) and ``train()`` returns.
     """
 
-    num_unrolled_steps: int | None = field(default=None, metadata={"help": "Unrolled steps (default: training_depth)."})
-    feature_weight: float = field(default=1.0, metadata={"help": "SmoothL1 feature loss weight."})
-    ce_weight: float = field(default=0.1, metadata={"help": "Soft cross-entropy weight."})
-    topk_weight: float = field(default=0.0, metadata={"help": "HASS top-k distillation weight."})
-    topk: int = field(default=10, metadata={"help": "Tokens of the top-k term."})
-    noise: str = field(default="uniform", metadata={"help": "Input-feature noise: uniform, gaussian or none."})
-    noise_scale: float = field(default=0.05, metadata={"help": "Uniform noise width or gaussian std."})
-    attention_chunk_size: int = field(default=256, metadata={"help": "Queries per attention call (memory bound)."})
     max_length: int = field(default=2048, metadata={"help": "Maximum tokens per sequence."})
     max_grad_value: float | None = field(default=0.5, metadata={"help": "Clip gradients by value (None: off)."})
+    fc_learning_rate_scale: float = field(
+        default=1.0, metadata={"help": "Learning rate of the shared fc relative to the rest (0: frozen)."}
+    )
+    train_budget_minutes: float | None = field(
+        default=None, metadata={"help": "Choose max_steps so the whole schedule fits this many minutes (None: off)."}
+    )
     max_train_minutes: float | None = field(
         default=None, metadata={"help": "Stop training (and save) after this many minutes of wall time (None: off)."}
     )
@@ -72,11 +80,20 @@ class PosSTrainingArguments(TrainingArguments):
     remove_unused_columns: bool = field(default=False, metadata={"help": "Keep the draft's training inputs."})
 
     def objective(self) -> ObjectiveConfig:
-        return ObjectiveConfig(
-            num_steps=self.num_unrolled_steps, feature_weight=self.feature_weight, ce_weight=self.ce_weight,
-            topk_weight=self.topk_weight, topk=self.topk, noise=self.noise, noise_scale=self.noise_scale,
-            attention_chunk_size=self.attention_chunk_size,
-        )
+        values = {name: getattr(self, name) for name in OBJECTIVE_FIELDS}
+        if values["step_weights"] is not None:
+            values["step_weights"] = list(values["step_weights"])
+        return ObjectiveConfig(**values)
+
+    def __post_init__(self):
+        if self.ddp_backend is None and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+            self.ddp_backend = "gloo"  # DDP on CPUs
+        TrainingArguments.__post_init__(self)
+        check_objective(self)
+        if self.fc_learning_rate_scale < 0:
+            raise ValueError(f"fc_learning_rate_scale must be >= 0 (0 freezes fc), got {self.fc_learning_rate_scale}.")
+        if self.train_budget_minutes is not None and self.train_budget_minutes <= 0:
+            raise ValueError(f"train_budget_minutes must be > 0, got {self.train_budget_minutes}.")
 
 
 class ClipGradValueCallback(TrainerCallback):
@@ -159,10 +176,12 @@ def unwrap_draft(model):
 
 
 @torch.no_grad()
-def init_specialists(draft, source, copy_fc: bool = True):
+def init_specialists(draft, source, copy_fc: bool = True, copy_token_map: bool = True):
     """Initialise ``draft``'s specialists from ``source``: a single-layer (EAGLE/HASS) or PosS draft, or a folder.
 
-    Specialist i gets source layer ``min(i, S_source - 1)``; ``fc`` is copied too when ``copy_fc``.
+    Specialist i gets source layer ``min(i, S_source - 1)``; ``fc`` is copied too when ``copy_fc``, and the source's
+    reduced-vocabulary map (its ``draft_to_target``) when ``copy_token_map``, so the new draft drafts over exactly
+    the tokens its layers were trained on.
     """
     if isinstance(source, str):
         from ..modeling_poss import PosSDraftModel
@@ -171,10 +190,19 @@ def init_specialists(draft, source, copy_fc: bool = True):
             source = PosSDraftModel.from_pretrained(source)
         except (OSError, ValueError, KeyError):
             source = PosSDraftModel.from_official(source, positions_per_specialist=1)
+    mine, theirs = draft.config, source.config
+    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        if getattr(mine, name, None) != getattr(theirs, name, None):
+            raise ValueError(f"Cannot initialise from a draft with {name}={getattr(theirs, name, None)} "
+                             f"(this draft has {getattr(mine, name, None)}): both must be drafts for the same target.")
     for i, layer in enumerate(draft.layers):
         layer.load_state_dict(source.layers[min(i, len(source.layers) - 1)].state_dict())
     if copy_fc:
         draft.fc.load_state_dict(source.fc.state_dict())
+    if copy_token_map and getattr(source, "draft_to_target", None) is not None:
+        from ..vocab import set_token_map
+
+        set_token_map(draft, source.draft_to_target.detach().cpu())
     return draft
 
 
@@ -201,6 +229,8 @@ class PosSTrainer(AtomicCheckpointMixin, Trainer):
             self.target_features = None
         objective = args.objective() if hasattr(args, "objective") else ObjectiveConfig()
         set_objective(draft, objective)
+        if getattr(args, "fc_learning_rate_scale", 1.0) == 0:
+            draft.fc.requires_grad_(False)
         self._configure_checkpointing(draft, args)
         self._configure_ddp(draft, args, objective)
         pad = getattr(processing_class, "pad_token_id", None) or draft.config.pad_token_id or 0
@@ -232,9 +262,74 @@ class PosSTrainer(AtomicCheckpointMixin, Trainer):
         """DDP must look for unused parameters when some specialist is never run by the unrolled steps."""
         if args.ddp_find_unused_parameters is not None:
             return
-        steps = objective.num_steps or draft.config.training_depth
+        steps = objective.num_unrolled_steps or draft.config.training_depth
         used = {draft.config.specialist_for_step(k) for k in range(steps)}
         args.ddp_find_unused_parameters = len(used) < draft.config.num_specialists
+
+    # ------------------------------------------------------------------ optimiser and schedule
+    def create_optimizer(self, model=None):
+        """The Trainer's optimiser, with the shared ``fc`` in groups of its own at ``fc_learning_rate_scale`` x lr."""
+        optimizer = super().create_optimizer(model)
+        scale = getattr(self.args, "fc_learning_rate_scale", 1.0)
+        if scale in (0, 1.0):
+            return optimizer
+        fc = {id(p) for p in unwrap_draft(self.model).fc.parameters()}
+        for group in list(optimizer.param_groups):
+            slow = [p for p in group["params"] if id(p) in fc]
+            if not slow:
+                continue
+            group["params"] = [p for p in group["params"] if id(p) not in fc]
+            optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": slow,
+                                       "lr": group["lr"] * scale})
+        optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
+        return optimizer
+
+    def _budget_steps(self) -> int:
+        """``max_steps`` for ``train_budget_minutes`` (timed on a few training batches; stored for resumed runs)."""
+        from .schedule import load_schedule, save_schedule, steps_for_budget, time_training_steps
+
+        budget = self.args.train_budget_minutes
+        record = load_schedule(self.args.output_dir, budget)
+        if record is None:
+            loader = self.get_train_dataloader()
+            steps_per_epoch = max(1, len(loader) // max(1, self.args.gradient_accumulation_steps))
+            batches = []
+            for batch in loader:
+                batches.append(batch)
+                if len(batches) == 4:
+                    break
+            model = self.model.to(self.args.device)
+            model.train()
+
+            def step(batch):
+                loss = self.compute_loss(model, self._prepare_inputs(batch))
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+
+            seconds = time_training_steps(step, batches) * self.args.gradient_accumulation_steps
+            self._train_metrics.clear()
+            seconds = self._agree_across_processes(seconds)
+            steps = steps_for_budget(seconds, budget, steps_per_epoch, self.args.num_train_epochs)
+            record = {"budget_minutes": budget, "seconds_per_step": seconds, "steps_per_epoch": steps_per_epoch,
+                      "max_steps": steps, "epochs": steps / steps_per_epoch}
+            if self.args.should_save:
+                save_schedule(self.args.output_dir, record)
+        logger.info("train_budget_minutes=%s: %d steps (%.2f epochs at %.2f s/step)", budget, record["max_steps"],
+                    record["epochs"], record["seconds_per_step"])
+        self.budget_schedule = record
+        return record["max_steps"]
+
+    def _agree_across_processes(self, seconds: float) -> float:
+        """The slowest process's step time, so every process chooses the same number of steps."""
+        if self.accelerator.num_processes <= 1:
+            return seconds
+        value = torch.tensor([seconds], device=self.accelerator.device)
+        return float(self.accelerator.reduce(value, reduction="max"))
+
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        if getattr(self.args, "train_budget_minutes", None) and self.args.max_steps <= 0:
+            self.args.max_steps = self._budget_steps()
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
 
     # ------------------------------------------------------------------ loss
     def _with_features(self, inputs: dict) -> dict:

@@ -1,0 +1,68 @@
+"""Schedules sized to a time budget: time a few training batches, then choose the steps that fit.
+
+A cosine (or linear) schedule that is cut by a wall-time limit ends with its learning rate still high; choosing
+``max_steps`` from the measured step time up front lets the schedule run to its end within the budget.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["steps_for_budget", "time_training_steps", "load_schedule", "save_schedule", "SCHEDULE_FILE"]
+
+SCHEDULE_FILE = "schedule.json"
+
+
+def steps_for_budget(seconds_per_step: float, budget_minutes: float, steps_per_epoch: int,
+                     max_epochs: float | None = None, margin: float = 0.05) -> int:
+    """Optimiser steps that fit ``budget_minutes`` at ``seconds_per_step`` (``margin`` kept for logging, saving and
+    evaluation), at most ``max_epochs`` epochs of ``steps_per_epoch`` steps, and at least one step."""
+    if seconds_per_step <= 0 or not math.isfinite(seconds_per_step):
+        raise ValueError(f"seconds_per_step must be a positive number, got {seconds_per_step}.")
+    if budget_minutes <= 0:
+        raise ValueError(f"budget_minutes must be > 0, got {budget_minutes}.")
+    steps = int(budget_minutes * 60.0 * (1.0 - margin) / seconds_per_step)
+    if max_epochs is not None and max_epochs > 0 and steps_per_epoch > 0:
+        steps = min(steps, int(math.ceil(max_epochs * steps_per_epoch)))
+    return max(1, steps)
+
+
+def time_training_steps(step, batches, warmup: int = 1) -> float:
+    """Mean seconds of ``step(batch)`` over ``batches`` after ``warmup`` untimed calls (RNG state left unchanged)."""
+    batches = list(batches)
+    if len(batches) <= warmup:
+        raise ValueError(f"need more than {warmup} batches to time training steps, got {len(batches)}.")
+    with torch.random.fork_rng(devices=[]):
+        for batch in batches[:warmup]:
+            step(batch)
+        start = time.perf_counter()
+        for batch in batches[warmup:]:
+            step(batch)
+        return (time.perf_counter() - start) / (len(batches) - warmup)
+
+
+def load_schedule(output_dir, budget_minutes: float) -> dict | None:
+    """The schedule chosen earlier for the same budget in ``output_dir``, if any (a resumed run keeps it)."""
+    path = Path(output_dir) / SCHEDULE_FILE
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("budget_minutes") != budget_minutes:
+        return None
+    if not isinstance(record.get("max_steps"), int) or record["max_steps"] < 1:
+        return None
+    return record
+
+
+def save_schedule(output_dir, record: dict) -> None:
+    path = Path(output_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / f".{SCHEDULE_FILE}.tmp"
+    tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    tmp.replace(path / SCHEDULE_FILE)

@@ -1,0 +1,172 @@
+"""The paper's recipe: specialists started from a trained draft (token map kept), per-step loss weights, a slow or
+frozen fc, and schedules sized to a time budget that always run to their end."""
+
+import json
+
+import pytest
+import torch
+
+from helpers import tiny_draft, tiny_llama
+from transformers_poss.training.schedule import load_schedule, steps_for_budget, time_training_steps
+from transformers_poss.training.trainer import PosSTrainer, PosSTrainingArguments, init_specialists
+from transformers_poss.vocab import set_token_map
+
+
+def _sequences(count=16, seed=0, vocab=128):
+    generator = torch.Generator().manual_seed(seed)
+    items = []
+    for _ in range(count):
+        length = int(torch.randint(14, 30, (1,), generator=generator))
+        tokens = torch.randint(3, vocab, (5,), generator=generator).repeat(length // 5 + 1)[:length]
+        mask = torch.zeros(length, dtype=torch.long)
+        mask[length // 3 :] = 1
+        items.append({"input_ids": tokens, "assistant_mask": mask})
+    return items
+
+
+def _args(tmp_path, **kwargs):
+    defaults = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, learning_rate=1e-2,
+                    num_train_epochs=1, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+                    dataloader_num_workers=0, seed=0, disable_tqdm=True, warmup_steps=0, max_grad_value=None)
+    defaults.update(kwargs)
+    return PosSTrainingArguments(**defaults)
+
+
+def test_init_from_keeps_the_source_token_map(tmp_path):
+    target = tiny_llama()
+    eagle = tiny_draft(target, num_specialists=1, seed=7)
+    token_map = torch.tensor([0, 1, 2, 5, 9, 17, 33, 64, 100, 127])
+    set_token_map(eagle, token_map)
+    eagle.save_pretrained(tmp_path / "eagle")
+    poss = init_specialists(tiny_draft(target, num_specialists=3), str(tmp_path / "eagle"))
+    assert torch.equal(poss.draft_to_target, token_map)
+    assert poss.config.draft_vocab_size == 10
+    keep_own = init_specialists(tiny_draft(target, num_specialists=3), str(tmp_path / "eagle"), copy_token_map=False)
+    assert keep_own.draft_to_target is None
+
+
+def test_init_from_refuses_a_draft_of_another_shape():
+    eagle = tiny_draft(tiny_llama(hidden_size=64), num_specialists=1)
+    other = tiny_draft(tiny_llama(hidden_size=32, heads=2, kv_heads=1), num_specialists=2)
+    with pytest.raises(ValueError, match="hidden_size"):
+        init_specialists(other, eagle)
+
+
+def test_cli_build_draft_keeps_the_init_from_map(tmp_path):
+    from transformers_poss.training.cli import build_draft
+
+    target = tiny_llama()
+    eagle = tiny_draft(target, num_specialists=1, seed=7)
+    set_token_map(eagle, torch.arange(3, 19))
+    eagle.save_pretrained(tmp_path / "eagle")
+    data = _sequences(4)
+
+    class Tok:
+        all_special_ids, eos_token_id, bos_token_id, pad_token_id = [0], 0, None, 0
+
+    from transformers_poss.training.config import parse_train_args
+
+    config = parse_train_args(["--target", "tiny", "--num_specialists", "2", "--init_from", str(tmp_path / "eagle"),
+                               "--draft_vocab_size", "16"])
+    draft = build_draft(config, target, data, Tok())
+    assert torch.equal(draft.draft_to_target, torch.arange(3, 19))  # not rebuilt from the new data
+    config.draft.draft_vocab_size = 12
+    with pytest.raises(SystemExit, match="draft_vocab_size"):
+        build_draft(config, target, data, Tok())
+
+
+def test_step_weights_reach_the_loss(tmp_path):
+    target = tiny_llama()
+    draft = tiny_draft(target, num_specialists=2, positions_per_specialist=1)
+    batch = PosSTrainer(model=draft, args=_args(tmp_path), target=target).data_collator(_sequences(4))
+    losses = {}
+    for weights in ([1.0, 1.0], [1.0, 0.0], [0.0, 1.0]):
+        trainer = PosSTrainer(model=draft, args=_args(tmp_path, step_weights=weights, noise="none"), target=target)
+        with torch.no_grad():
+            out = draft(**trainer._with_features(batch))
+        losses[tuple(weights)] = (float(out.loss), float(out.metrics["loss_1"]), float(out.metrics["loss_2"]))
+    total, first, second = losses[(1.0, 1.0)]
+    assert total == pytest.approx(first + second, rel=1e-5)
+    assert losses[(1.0, 0.0)][0] == pytest.approx(first, rel=1e-5)
+    assert losses[(0.0, 1.0)][0] == pytest.approx(second, rel=1e-5)
+    with pytest.raises(ValueError, match="step_weights"):
+        _args(tmp_path, step_weights=[1.0, -1.0])
+
+
+def test_frozen_fc_stays_and_the_rest_trains(tmp_path):
+    target = tiny_llama()
+    draft = tiny_draft(target, num_specialists=2, positions_per_specialist=1).train()
+    fc_before = draft.fc.weight.detach().clone()
+    layer_before = draft.layers[1].self_attn.q_proj.weight.detach().clone()
+    PosSTrainer(model=draft, args=_args(tmp_path, fc_learning_rate_scale=0.0, max_steps=3), target=target,
+                train_dataset=_sequences(12)).train()
+    assert torch.equal(draft.fc.weight, fc_before)
+    assert not torch.equal(draft.layers[1].self_attn.q_proj.weight, layer_before)
+
+
+def test_slow_fc_gets_its_own_learning_rate(tmp_path):
+    target = tiny_llama()
+    draft = tiny_draft(target, num_specialists=2, positions_per_specialist=1).train()
+    trainer = PosSTrainer(model=draft, args=_args(tmp_path, fc_learning_rate_scale=0.1, max_steps=2), target=target,
+                          train_dataset=_sequences(12))
+    optimizer = trainer.create_optimizer()
+    fc = {id(p) for p in draft.fc.parameters()}
+    rates = {("fc" if id(p) in fc else "rest"): g["lr"] for g in optimizer.param_groups for p in g["params"]}
+    assert rates["fc"] == pytest.approx(0.1 * rates["rest"])
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len([p for p in draft.parameters() if p.requires_grad])
+    trainer.train()  # the scheduler scales both groups; training runs
+
+
+def test_steps_for_budget():
+    assert steps_for_budget(2.0, 10, steps_per_epoch=1000, margin=0.0) == 300
+    assert steps_for_budget(2.0, 10, steps_per_epoch=100, max_epochs=2, margin=0.0) == 200   # capped by epochs
+    assert steps_for_budget(100.0, 0.1, steps_per_epoch=100) == 1                          # at least one step
+    with pytest.raises(ValueError):
+        steps_for_budget(0.0, 10, 100)
+
+
+def test_time_training_steps_keeps_the_rng_state():
+    torch.manual_seed(3)
+    expected = torch.rand(1)
+    torch.manual_seed(3)
+    seconds = time_training_steps(lambda batch: torch.rand(100), [0, 1, 2])
+    assert seconds >= 0
+    assert torch.equal(torch.rand(1), expected)
+
+
+def test_budget_sizes_the_schedule_so_it_ends(tmp_path, monkeypatch):
+    """With train_budget_minutes the run chooses max_steps from the timed batches and its learning rate decays to
+    the end of the schedule; a resumed run reuses the stored choice."""
+    import transformers_poss.training.schedule as schedule
+
+    monkeypatch.setattr(schedule, "time_training_steps", lambda step, batches, warmup=1: 6.0)  # 6 s a step
+    target = tiny_llama()
+    draft = tiny_draft(target, num_specialists=2, positions_per_specialist=1).train()
+    args = _args(tmp_path, train_budget_minutes=0.5, num_train_epochs=100, lr_scheduler_type="linear")
+    trainer = PosSTrainer(model=draft, args=args, target=target, train_dataset=_sequences(16))
+    trainer.train()
+    assert trainer.state.global_step == 4  # 30 s x 0.95 / 6 s
+    rates = [log["learning_rate"] for log in trainer.state.log_history if "learning_rate" in log]
+    assert rates[-1] < 0.3 * rates[0]  # the schedule ran to its end
+    stored = json.loads((tmp_path / "out" / "schedule.json").read_text())
+    assert stored["max_steps"] == 4 and stored["seconds_per_step"] == 6.0
+    assert load_schedule(tmp_path / "out", 0.5)["max_steps"] == 4
+    assert load_schedule(tmp_path / "out", 1.0) is None  # another budget is measured again
+
+    monkeypatch.setattr(schedule, "time_training_steps", lambda *a, **k: pytest.fail("re-timed on resume"))
+    again = PosSTrainer(model=tiny_draft(target, num_specialists=2, positions_per_specialist=1), target=target,
+                        args=_args(tmp_path, train_budget_minutes=0.5, num_train_epochs=100), train_dataset=_sequences(16))
+    again.train()
+    assert again.state.global_step == 4
+
+
+def test_budget_is_capped_by_epochs(tmp_path, monkeypatch):
+    import transformers_poss.training.schedule as schedule
+
+    monkeypatch.setattr(schedule, "time_training_steps", lambda step, batches, warmup=1: 0.01)
+    target = tiny_llama()
+    draft = tiny_draft(target, num_specialists=1, positions_per_specialist=1).train()
+    trainer = PosSTrainer(model=draft, args=_args(tmp_path, train_budget_minutes=10, num_train_epochs=2),
+                          target=target, train_dataset=_sequences(16))
+    trainer.train()
+    assert trainer.state.global_step == 8  # 2 epochs of 4 batches
