@@ -216,3 +216,14 @@ def test_warnings_are_one_line(capsys, monkeypatch):
     short_warnings()
     warnings.warn("near-ties ahead", UserWarning)
     assert capsys.readouterr().err == "poss: warning: near-ties ahead\n"
+
+
+def test_tune_save_needs_a_local_draft_folder(capsys, no_model_loads, monkeypatch):
+    from transformers_poss import loading_checks
+
+    monkeypatch.setattr(loading_checks, "check_draft_source", lambda source: None)  # pretend the Hub id exists
+    _short_error(capsys, ["tune", "--draft", "someone/some-draft", "--save"], "--save writes the chosen shape")
+
+
+def test_generate_missing_draft_before_loading(capsys, no_model_loads):
+    _short_error(capsys, ["generate", "hi", "--draft", "./no/draft"], "no such draft folder")

@@ -576,3 +576,12 @@ def test_atomic_checkpoints_keep_the_save_total_limit(tmp_path):
                  save_total_limit=2)
     PosSTrainer(model=tiny_draft(target).train(), args=args, target=target, train_dataset=_sequences(24)).train()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoint-4", "checkpoint-6"]
+
+
+def test_official_config_without_hidden_size(tmp_path, target):
+    folder = _write(tmp_path / "PosS2-tiny", _official_state(target, layers=2))
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("hidden_size")
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="config.json lacks hidden_size: not the config of a PosS"):
+        PosSDraftModel.from_official(str(folder), target=target)
