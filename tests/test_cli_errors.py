@@ -227,3 +227,15 @@ def test_tune_save_needs_a_local_draft_folder(capsys, no_model_loads, monkeypatc
 
 def test_generate_missing_draft_before_loading(capsys, no_model_loads):
     _short_error(capsys, ["generate", "hi", "--draft", "./no/draft"], "no such draft folder")
+
+
+def test_bench_official_draft_error_comes_from_its_loader(tmp_path):
+    from test_official import _official_state, _write
+
+    from transformers_poss.bench_cli import load_draft
+
+    target = tiny_llama()
+    folder = _write(tmp_path / "tiny-eagle", _official_state(target, layers=3))  # 3 layers, no PosS<N> in the name
+    with pytest.raises(ValueError, match="pass positions_per_specialist=N"):
+        load_draft(str(folder), target)
+    assert load_draft(str(_write(tmp_path / "PosS2-tiny", _official_state(target, layers=3))), target).is_attached
