@@ -123,8 +123,11 @@ def build_conversations(config: PosSTrainConfig, target, tokenizer) -> list[list
     return conversations
 
 
-def build_datasets(config: PosSTrainConfig, target, tokenizer):
-    """(train, eval) datasets: feature shards (offline) or tokenized conversations (online)."""
+def build_datasets(config: PosSTrainConfig, target, tokenizer, write: bool = True):
+    """(train, eval) datasets: feature shards (offline) or tokenized conversations (online).
+
+    ``write=False`` (the other processes of a DDP job, after the main one) only reads the shards written before.
+    """
     import torch
 
     from .data import ConversationDataset
@@ -143,7 +146,8 @@ def build_datasets(config: PosSTrainConfig, target, tokenizer):
     out = []
     for name, dataset in zip(("train", "eval"), datasets):
         if len(dataset):
-            write_feature_shards(target, dataset, root / name, dtype=dtype, batch_size=script.features_batch_size)
+            if write:
+                write_feature_shards(target, dataset, root / name, dtype=dtype, batch_size=script.features_batch_size)
             out.append(FeatureShardDataset(root / name))
         else:
             out.append(None)
@@ -250,7 +254,7 @@ def run(config: PosSTrainConfig) -> int:
     with state.main_process_first():  # the main process makes data and features; the others then find them
         target, tokenizer = load_target(config.script.target, device=resolve_device(config.script.device))
         check_draft_fits(config, target)  # before the data and feature stages
-        train_dataset, eval_dataset = build_datasets(config, target, tokenizer)
+        train_dataset, eval_dataset = build_datasets(config, target, tokenizer, write=state.is_main_process)
     if config.script.stage in ("data", "features"):
         return 0
     train(config, target, tokenizer, train_dataset, eval_dataset)
