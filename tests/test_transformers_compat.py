@@ -13,6 +13,15 @@ def test_installed_transformers_is_compatible():
     assert compat.incompatibilities() == []
 
 
+def test_trainer_methods_of_the_atomic_checkpoints_are_checked(monkeypatch):
+    from transformers import Trainer
+
+    compat.check_trainer()
+    monkeypatch.delattr(Trainer, "_get_output_dir")
+    with pytest.raises(ImportError, match="Trainer._get_output_dir is missing"):
+        compat.check_trainer()
+
+
 def test_a_missing_private_method_gives_one_clear_import_error(monkeypatch):
     monkeypatch.delattr(GenerationMixin, "_prefill")
     with pytest.raises(ImportError) as error:

@@ -10,7 +10,8 @@ Checked: ``GenerationMixin._assisted_decoding`` / ``_validate_generation_mode`` 
 ``_get_candidate_generator`` (the bench's round recorder), ``_supports_logits_to_keep`` (verification forwards) and
 ``PushToHubMixin._upload_modified_files`` (uploading a draft with its own model card). Attributes read at run time
 (``config._attn_implementation``, ``generation_config._pad_token_tensor`` / ``_mask_length``) go through the
-accessors below as well.
+accessors below as well. ``Trainer._save_checkpoint`` / ``_get_output_dir`` (overridden by the atomic
+checkpoints of `training.checkpoints`) are checked by `check_trainer` when that module is imported.
 """
 
 from __future__ import annotations
@@ -145,3 +146,16 @@ def set_mask_length(generation_config, length: int) -> None:
 def upload_modified_files(model, working_dir, repo_id, **kwargs):
     """``PushToHubMixin._upload_modified_files`` with every file of ``working_dir`` counted as modified."""
     return model._upload_modified_files(working_dir, repo_id, files_timestamps={}, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ Trainer
+# the Trainer methods `training.checkpoints.AtomicCheckpointMixin` overrides (checked when that module is imported,
+# so that importing the package does not import the Trainer)
+TRAINER_PARAMETERS: dict[str, tuple[str, ...]] = {"_save_checkpoint": ("model", "trial"), "_get_output_dir": ("trial",)}
+
+
+def check_trainer() -> None:
+    """One `ImportError` when a Trainer method the atomic checkpoints override is missing or changed."""
+    from transformers import Trainer
+
+    check_transformers({(Trainer, name): parameters for name, parameters in TRAINER_PARAMETERS.items()})

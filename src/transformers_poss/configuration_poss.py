@@ -18,6 +18,31 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+def _activation(name: Any) -> str:
+    from transformers.activations import ACT2FN
+
+    if name not in ACT2FN:
+        raise ValueError(f"`hidden_act` {name!r} is not an activation transformers knows; use one of "
+                         f"{', '.join(sorted(ACT2FN))} (PosS drafts use 'silu').")
+    return name
+
+
+def _rope(rope: dict) -> dict:
+    """Check RoPE settings: a known ``rope_type`` and a positive finite ``rope_theta``."""
+    import math
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    kind = rope.get("rope_type")
+    if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"`rope_type` {kind!r} is unknown; use 'default' or one of {', '.join(ROPE_INIT_FUNCTIONS)}"
+                         " (copy the target's rope_parameters).")
+    theta = rope.get("rope_theta")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        raise ValueError(f"`rope_theta` must be a positive number, got {theta!r} (copy the target's rope_theta).")
+    return rope
+
+
 class PosSDraftConfig(PreTrainedConfig):
     r"""Configuration of a [`PosSDraftModel`]: an EAGLE-style feature draft with position-specialist layers.
 
@@ -96,14 +121,14 @@ class PosSDraftConfig(PreTrainedConfig):
                 )
             head_dim = hidden_size // num_attention_heads
         self.head_dim = _positive_int("head_dim", head_dim)
-        self.hidden_act = hidden_act
+        self.hidden_act = _activation(hidden_act)
         if rms_norm_eps <= 0:
             raise ValueError(f"`rms_norm_eps` must be > 0, got {rms_norm_eps}.")
         self.rms_norm_eps = float(rms_norm_eps)
         rope = dict(rope_parameters or {})
         rope.setdefault("rope_type", rope.pop("type", "default"))
         rope.setdefault("rope_theta", float(kwargs.pop("rope_theta", 10000.0)))
-        self.rope_parameters = rope
+        self.rope_parameters = _rope(rope)
         self.max_position_embeddings = _positive_int("max_position_embeddings", max_position_embeddings)
         self.num_specialists = _positive_int("num_specialists", num_specialists)
         self.positions_per_specialist = _positive_int("positions_per_specialist", positions_per_specialist)

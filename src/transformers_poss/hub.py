@@ -8,6 +8,7 @@ import tempfile
 from transformers import GenerationConfig
 
 from ._transformers_compat import upload_modified_files
+from .checks import tree_value
 from .configuration_poss import TREE_GENERATION_KEYS
 
 CARD_TEMPLATE = """---
@@ -118,4 +119,9 @@ def load_tree_generation_config(name_or_path, config, kwargs) -> GenerationConfi
     for key in TREE_GENERATION_KEYS:
         if getattr(loaded, key, None) is None:
             setattr(loaded, key, getattr(config, key))
+        try:
+            setattr(loaded, key, tree_value(key, getattr(loaded, key)))
+        except ValueError as error:
+            raise ValueError(f"generation_config.json of {name_or_path}: {error} Fix the file or set "
+                             f"draft.generation_config.{key} after loading.") from None
     return loaded

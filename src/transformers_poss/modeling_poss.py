@@ -284,8 +284,10 @@ class PosSDraftModel(PosSPreTrainedModel):
             from .training.objective import training_forward
 
             return training_forward(self, input_ids, target_hidden_states, **training_inputs)
-        if not 0 <= specialist < self.config.num_specialists:
-            raise ValueError(f"specialist must be in [0, {self.config.num_specialists}), got {specialist}.")
+        valid = hasattr(specialist, "__index__") and not isinstance(specialist, bool)  # ints, numpy / 0-d tensor ints
+        if not valid or not 0 <= int(specialist) < self.config.num_specialists:
+            raise ValueError(f"specialist must be in [0, {self.config.num_specialists}), got {specialist!r}.")
+        specialist = int(specialist)
         hidden = self.fuse(input_ids, target_hidden_states)
         batch, length, _ = hidden.shape
         past = cache.get_seq_length(specialist) if cache is not None else 0
@@ -311,13 +313,16 @@ class PosSDraftModel(PosSPreTrainedModel):
         """
         from .speculation.drafter import PosSProposer
 
+        from .checks import tree_value
+
         gen = self.generation_config
-        proposer = PosSProposer(
-            self,
-            depth=depth or gen.tree_depth,
-            top_k=top_k or gen.tree_top_k,
-            total_tokens=total_tokens or gen.tree_total_tokens,
+        depth, top_k, total_tokens = (
+            tree_value(name, getattr(gen, name) if value is None else value)
+            for name, value in zip(("tree_depth", "tree_top_k", "tree_total_tokens"), (depth, top_k, total_tokens))
         )
+        if total_tokens == "auto":
+            raise ValueError("draft_tree needs a node count: pass total_tokens=N ('auto' is chosen inside generate).")
+        proposer = PosSProposer(self, depth=depth, top_k=top_k, total_tokens=total_tokens)
         return proposer.propose(input_ids[:, 1:], target_hidden_states)
 
     # ------------------------------------------------------------------ hub
@@ -337,11 +342,12 @@ class PosSDraftModel(PosSPreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         from .hub import load_tree_generation_config
+        from .loading_checks import checked_from_pretrained
 
+        model, info = checked_from_pretrained(super().from_pretrained, pretrained_model_name_or_path, *args, **kwargs)
         model.generation_config = load_tree_generation_config(pretrained_model_name_or_path, model.config, kwargs)
-        return model
+        return (model, info) if kwargs.get("output_loading_info") else model
 
     @classmethod
     def from_official(cls, repo_id_or_folder, target=None, positions_per_specialist=None, **kwargs):

@@ -26,6 +26,9 @@ def resolve_folder(repo_id_or_folder: str, **hub_kwargs) -> str:
     """A local folder as is; a Hub id through huggingface_hub's normal (cached) download."""
     if os.path.isdir(repo_id_or_folder):
         return repo_id_or_folder
+    from .checks import require_local_path
+
+    require_local_path(repo_id_or_folder, "checkpoint folder")
     from huggingface_hub import snapshot_download
 
     return snapshot_download(
@@ -56,6 +59,19 @@ def read_official_state_dict(folder: str) -> dict[str, torch.Tensor]:
             raise ValueError(f"{path_bin} does not hold a flat state dict of tensors.")
         return state
     raise FileNotFoundError(f"No {' or '.join(WEIGHT_FILES)} in {folder}.")
+
+
+def read_official_config(path: str) -> dict:
+    """The Llama-style config.json of an official checkpoint, with the keys the draft needs."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            config = json.load(fh)
+    except ValueError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); download the checkpoint again.") from None
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads") if k not in config]
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(missing)}: not the config of a PosS / EAGLE / HASS checkpoint.")
+    return config
 
 
 def positions_from_name(name: str) -> int | None:
@@ -132,12 +148,15 @@ def load_official(cls, repo_id_or_folder: str, target=None, positions_per_specia
     ``PosS<N>`` in the name; a multi-specialist checkpoint with neither is refused. A stored ``embed_tokens`` equal
     to the target's is dropped in favour of the target's; a different one is kept as the draft's own.
     """
+    if positions_per_specialist is not None:
+        from .checks import positive_int
+
+        positions_per_specialist = positive_int("positions_per_specialist", positions_per_specialist)
     folder = resolve_folder(repo_id_or_folder, **hub_kwargs)
     config_path = os.path.join(folder, "config.json")
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"No config.json in {folder}: not an official draft checkpoint.")
-    with open(config_path, encoding="utf-8") as fh:
-        llama_config = json.load(fh)
+    llama_config = read_official_config(config_path)
     state = read_official_state_dict(folder)
     num_specialists = _count_specialists(state)
     n = positions_per_specialist or positions_from_name(repo_id_or_folder)

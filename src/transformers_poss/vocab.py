@@ -57,7 +57,10 @@ def build_token_map(counts: torch.Tensor, size: int, always_include: Iterable[in
 
 def set_token_map(draft, token_ids: torch.Tensor) -> None:
     """Give ``draft`` a reduced drafting vocabulary (in place, no retraining); ``token_ids`` are target ids."""
-    token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+    token_ids = torch.as_tensor(token_ids)
+    if token_ids.is_floating_point() or token_ids.dtype == torch.bool:
+        raise ValueError(f"token map ids must be integers, got a {token_ids.dtype} tensor.")
+    token_ids = token_ids.to(torch.long).reshape(-1)
     if token_ids.numel() == 0:
         raise ValueError("the token map is empty.")
     if int(token_ids.max()) >= draft.config.vocab_size or int(token_ids.min()) < 0:

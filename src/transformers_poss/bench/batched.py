@@ -6,7 +6,7 @@ a shared machine hits all methods alike. Throughput is the batch's new tokens (e
 padding excluded) over the wall-clock time of the call. Greedy rows must equal the baseline's rows token for token.
 
 The tree shape given (or the draft's own) is the single-row budget; with B rows each row's tree gets
-``batched_generation.batch_total_tokens(total_tokens, top_k, B)`` nodes (see docs/generation.md).
+``generation.batched.batch_total_tokens(total_tokens, top_k, B)`` nodes (see docs/generation.md).
 """
 
 from __future__ import annotations

@@ -159,8 +159,11 @@ def result_from_generate(output, prompt_length: int, rounds: list[tuple[int, int
 @contextlib.contextmanager
 def tree_shape(draft, depth: int | None = None, top_k: int | None = None, total_tokens: int | None = None):
     """Temporarily set the tree shape on ``draft.generation_config`` (None keeps the draft's own value)."""
+    from ..checks import tree_value
+
     config = draft.generation_config
     wanted = {"tree_depth": depth, "tree_top_k": top_k, "tree_total_tokens": total_tokens}
+    wanted = {key: None if value is None else tree_value(key, value) for key, value in wanted.items()}
     saved = {key: getattr(config, key, None) for key in wanted}
     for key, value in wanted.items():
         if value is not None:

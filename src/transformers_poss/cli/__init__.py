@@ -34,8 +34,11 @@ def _chosen(argv: list[str]) -> str | None:
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """Top-level parser; only the chosen subcommand's module is imported to fill in its options."""
-    parser = argparse.ArgumentParser(prog="poss", description="PosS tree speculative decoding for transformers")
+    from .errors import ShortErrorParser
+
+    parser = ShortErrorParser(prog="poss", description="PosS tree speculative decoding for transformers")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error (or POSS_DEBUG=1)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = _chosen(argv)
     for name, (module, summary) in COMMANDS.items():
@@ -47,12 +50,16 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: ``poss COMMAND [options]``."""
+    from .errors import run_reporting_errors, short_warnings, take_debug_flag
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    argv, debug = take_debug_flag(argv)
+    short_warnings(debug)
     chosen = _chosen(argv)
     if chosen in COMMANDS and argv and argv[0] == chosen:
         module = importlib.import_module(COMMANDS[chosen][0])
         if hasattr(module, "main"):  # a subcommand with a parser of its own (`poss train`: HfArgumentParser)
-            return int(module.main(argv[1:]) or 0)
+            return run_reporting_errors(chosen, module.main, argv[1:], debug=debug)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if args.version:
@@ -64,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     module = importlib.import_module(COMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    return run_reporting_errors(args.command, module.run, args, debug=debug)
 
 
 if __name__ == "__main__":

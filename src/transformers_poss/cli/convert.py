@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 
+from .errors import positive_int
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("source", help="Hub id or folder of the official checkpoint (config.json + weights)")
     parser.add_argument("output", help="folder to write (save_pretrained layout, safetensors)")
     parser.add_argument("--target", default=None, help="embedded name, Hub id or folder of the target (recommended: "
                         "records its fingerprint and drops a stored embedding equal to the target's)")
-    parser.add_argument("--positions-per-specialist", type=int, default=None,
+    parser.add_argument("--positions-per-specialist", type=positive_int, default=None,
                         help="N of PosS-N; read from 'PosS<N>' in the source name when omitted")
 
 
@@ -23,8 +26,12 @@ def convert_official(repo_id_or_folder: str, output_dir: str, target=None, posit
 
 
 def run(args) -> int:
+    from ..checks import require_local_path
     from .loaders import load_target
 
+    require_local_path(args.source, "checkpoint folder")  # before the target loads
+    if args.target:
+        require_local_path(args.target, "target folder")
     target = None
     if args.target:
         target, _ = load_target(args.target)

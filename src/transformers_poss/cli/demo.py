@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import positive_int
+
 DEFAULT_DRAFT = "poss-smollm2-135m-instruct"
 DEMO_PROMPTS = (
     "What is the capital of France? Answer in one sentence.",
@@ -37,12 +39,23 @@ def add_arguments(parser) -> None:
     parser.add_argument("--draft", default=None, help=f"draft folder (default: the shipped drafts/{DEFAULT_DRAFT})")
     parser.add_argument("--target", default="smollm2-135m-instruct", help="embedded name, Hub id or folder")
     parser.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable); default: three built-in")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=96)
+    parser.add_argument("--threads", type=positive_int, default=None)
     parser.add_argument("--quantize", choices=["none", "int8"], default="int8",
                         help="int8 (default): the lossless CPU fast path for target and draft, plain decoding included "
                              "(docs/budget.md); none: float32")
     parser.add_argument("--no-stream", action="store_true", help="do not stream the answers")
+
+
+def check_arguments(args, draft: str) -> None:
+    """Everything `poss demo` can check before loading a model."""
+    from ..checks import require_local_path
+    from ..loading_checks import check_draft_source
+
+    if args.prompt is not None and not all(p.strip() for p in args.prompt):
+        raise ValueError("--prompt is empty: give the prompt text.")
+    require_local_path(args.target, "target folder")
+    check_draft_source(draft)
 
 
 def _time(fn):
@@ -63,6 +76,7 @@ def run(args) -> int:
     if draft_path is None:
         print(f"No draft found (looked for drafts/{DEFAULT_DRAFT}); pass --draft FOLDER.", file=sys.stderr)
         return 2
+    check_arguments(args, str(draft_path))
     print(f"target: {args.target}   draft: {draft_path}", flush=True)
     target, tokenizer = load_target(args.target)
     target = quantized(target, args.quantize)

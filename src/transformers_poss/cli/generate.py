@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from .errors import non_negative_int, positive_int, probability, temperature, tree_total_tokens
+
 
 def add_arguments(parser) -> None:
     """Register the `poss generate` options."""
@@ -14,16 +16,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--target", default="smollm2-135m-instruct",
                         help="embedded name (smollm2-135m-instruct, gemma3-270m), Hub id or folder")
     parser.add_argument("--draft", default=None, help="PosS draft (folder or Hub id) for tree speculation")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256)
+    parser.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=probability, default=None)
+    parser.add_argument("--top-k", type=non_negative_int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tree-depth", type=int, default=None)
-    parser.add_argument("--tree-top-k", type=int, default=None)
-    parser.add_argument("--tree-total-tokens", type=int, default=None)
+    parser.add_argument("--tree-depth", type=positive_int, default=None)
+    parser.add_argument("--tree-top-k", type=positive_int, default=None)
+    parser.add_argument("--tree-total-tokens", type=tree_total_tokens, default=None, help="node count or 'auto'")
     parser.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=positive_int, default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--quantize", choices=["none", "int8"], default="none",
@@ -42,6 +44,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     text = args.prompt if args.prompt is not None else sys.stdin.read()
+    check_arguments(args, text)
     target, tokenizer = load_target(args.target, dtype=DTYPES[args.dtype], device=device)
     target = quantized(target, args.quantize)
     chat = {"on": True, "off": False}.get(args.chat_template)
@@ -65,6 +68,20 @@ def run(args) -> int:
     if not args.quiet:
         print(_stats(len(new_tokens), seconds, getattr(output, "acceptance", None)), file=sys.stderr)
     return 0
+
+
+def check_arguments(args, text: str) -> None:
+    """Everything `poss generate` can check before loading a model (numbers are checked by their argparse types)."""
+    from ..checks import check_device, require_local_path
+    from ..loading_checks import check_draft_source
+
+    if not text.strip():
+        where = "on stdin" if args.prompt is None else "given"
+        raise ValueError(f"the prompt {where} is empty: pass the prompt text as an argument or pipe it in.")
+    require_local_path(args.target, "target folder")
+    check_device(args.device, args.quantize)
+    if args.draft:
+        check_draft_source(args.draft)
 
 
 def _stats(count: int, seconds: float, acceptance) -> str:

@@ -21,8 +21,9 @@ def load_draft(source: str, target):
             raise
         try:
             draft = PosSDraftModel.from_official(source, target=target)
-        except Exception:
-            raise error
+        except Exception as official_error:
+            # an authors' checkpoint: its own loader's error says what is wrong (e.g. N not known); else the first
+            raise (official_error if "from_official" in str(error) else error) from None
     if hasattr(draft, "attach_target") and not getattr(draft, "is_attached", False):
         draft.attach_target(target)
     return draft.to(device=target.device, dtype=target.dtype).eval()

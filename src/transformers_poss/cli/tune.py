@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import time
 
 import torch
+
+from .errors import positive_int
 
 DEPTHS = (1, 2, 3, 4, 5, 6, 7, 8)
 SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -27,27 +30,46 @@ def add_arguments(parser) -> None:
     parser.add_argument("--draft", required=True, help="draft folder or Hub id")
     parser.add_argument("--questions", nargs="*", default=None,
                         help="question files (mt_bench.jsonl format); default: the demo prompts")
-    parser.add_argument("--num-prompts", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--top-k", type=int, default=None, help="tree top-k (default: the draft's)")
+    parser.add_argument("--num-prompts", type=positive_int, default=4)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64)
+    parser.add_argument("--top-k", type=positive_int, default=None, help="tree top-k (default: the draft's)")
     parser.add_argument("--quantize", choices=["none", "int8"], default="none")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=positive_int, default=None)
     parser.add_argument("--refresh", action="store_true", help="measure the cost curve again")
     parser.add_argument("--save", action="store_true", help="write the chosen shape into the draft folder")
     parser.add_argument("--output", default=None, help="write the tuning report (JSON) here")
 
 
 def _prompts(args, tokenizer, chat):
-    from .demo import DEMO_PROMPTS
     from .loaders import encode_prompt
 
-    texts = list(DEMO_PROMPTS)
-    if args.questions:
-        texts = []
-        for path in args.questions:
-            with open(path, encoding="utf-8") as fh:
-                texts += [json.loads(line)["turns"][0] for line in fh if line.strip()]
+    texts = _texts(args)
     return [encode_prompt(tokenizer, t, chat) for t in texts[: args.num_prompts]]
+
+
+def _texts(args) -> list[str]:
+    """The prompt texts: the question files' turns[0] (checked line by line), else the demo prompts."""
+    from ..bench.run import load_questions
+    from .demo import DEMO_PROMPTS
+
+    if not args.questions:
+        return list(DEMO_PROMPTS)
+    return [q["text"] for q in load_questions(args.questions, selection="first")]
+
+
+def check_arguments(args) -> None:
+    """Everything `poss tune` can check before loading a model."""
+    from ..checks import check_writable, require_local_path
+    from ..loading_checks import check_draft_source
+
+    _texts(args)
+    require_local_path(args.target, "target folder")
+    check_draft_source(args.draft)
+    if args.save and not os.path.isdir(args.draft):
+        raise ValueError(f"--save writes the chosen shape into the draft folder, but {args.draft} is not a local "
+                         "folder.")
+    if args.output:
+        check_writable(args.output)
 
 
 def record_rounds(target, draft, prompts, max_new_tokens, depth, top_k, total):
@@ -117,6 +139,7 @@ def run(args) -> int:
     from ..generation.budget import load_or_measure_profile
     from .loaders import load_draft, load_target, quantized, uses_chat_template
 
+    check_arguments(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     target, tokenizer = load_target(args.target)

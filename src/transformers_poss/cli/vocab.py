@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+
+from .errors import positive_int
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("draft", help="folder of the draft (save_pretrained layout)")
     parser.add_argument("--target", required=True, help="embedded name, Hub id or folder of the target (for its tokenizer)")
-    parser.add_argument("--size", type=int, default=8192, help="number of tokens in the draft vocabulary")
+    parser.add_argument("--size", type=positive_int, default=8192, help="number of tokens in the draft vocabulary")
     parser.add_argument("--corpus", nargs="+", required=True,
                         help="JSONL files (ShareGPT 'conversations', OpenAI 'messages' or 'text') or plain text files")
     parser.add_argument("--output", required=True, help="folder to write the draft with its token map")
@@ -17,26 +20,74 @@ def add_arguments(parser) -> None:
 def corpus_texts(paths):
     """Assistant texts of JSONL conversation files, 'text' fields, or raw lines of plain text files."""
     for path in paths:
+        for number, record in _records(path):
+            if isinstance(record, str):
+                yield record
+                continue
+            if not isinstance(record, dict):
+                continue
+            for turn in _turns(record, "conversations", path, number):
+                if turn.get("from") in ("gpt", "assistant", "chatgpt", "bing", "bard"):
+                    yield _text(turn.get("value"), path, number)
+            for turn in _turns(record, "messages", path, number):
+                if turn.get("role") == "assistant":
+                    yield _text(turn.get("content"), path, number)
+            if isinstance(record.get("text"), str):
+                yield record["text"]
+
+
+def _records(path):
+    """``(line or example number, record)``: JSON records of a .json / .jsonl file, or text lines (str) of others.
+
+    A line of a .jsonl file, or a line of another file that starts like JSON, that does not parse is an error."""
+    if str(path).endswith(".json"):
         with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    yield line
-                    continue
-                if not isinstance(record, dict):
-                    continue
-                for turn in record.get("conversations", []) or []:
-                    if turn.get("from") in ("gpt", "assistant", "chatgpt", "bing", "bard"):
-                        yield turn.get("value", "")
-                for turn in record.get("messages", []) or []:
-                    if turn.get("role") == "assistant":
-                        yield turn.get("content", "")
-                if isinstance(record.get("text"), str):
-                    yield record["text"]
+            try:
+                data = json.load(fh)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}: not valid JSON ({error}).") from None
+        data = data.get("data", [data]) if isinstance(data, dict) else data
+        yield from enumerate(data if isinstance(data, list) else [data], 1)
+        return
+    jsonl = str(path).endswith(".jsonl")
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as error:
+                if jsonl or line.startswith(("{", "[")):  # JSON that does not parse is an error, not text
+                    raise ValueError(f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno}); "
+                                     "fix or remove the line.") from None
+                yield number, line
+
+
+def _turns(record: dict, key: str, path, number: int) -> list:
+    turns = record.get(key) or []
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        raise ValueError(f"{path}:{number}: `{key}` must be a list of message objects.")
+    return turns
+
+
+def _text(content, path, number: int) -> str:
+    if not isinstance(content, str):
+        raise ValueError(f"{path}:{number}: an assistant message has no text content ({content!r:.40}).")
+    return content
+
+
+def check_arguments(args) -> None:
+    """Everything `poss vocab` can check before loading the tokenizer and the draft."""
+    from ..checks import positive_int, require_file, require_local_path
+    from ..loading_checks import check_draft_folder
+
+    positive_int("--size", args.size)
+    for path in args.corpus:
+        require_file(path, "corpus file")
+    require_local_path(args.draft, "draft folder")
+    if os.path.isdir(args.draft):
+        check_draft_folder(args.draft)
 
 
 def run(args) -> int:
@@ -46,8 +97,12 @@ def run(args) -> int:
     from .loaders import load_target
     from ..vocab import build_token_map, count_text_tokens, set_token_map, special_token_ids
 
+    check_arguments(args)
+    texts = list(corpus_texts(args.corpus))  # read (and checked) before anything is loaded
+    if not any(text.strip() for text in texts):
+        raise SystemExit("the corpus holds no text: give JSONL conversations or text files")
     _, tokenizer = load_target(args.target)
-    counts = count_text_tokens(corpus_texts(args.corpus), tokenizer)
+    counts = count_text_tokens(texts, tokenizer)
     if int(counts.sum()) == 0:
         raise SystemExit("the corpus holds no text: give JSONL conversations or text files")
     draft = PosSDraftModel.from_pretrained(args.draft)

@@ -20,6 +20,7 @@ import json
 import os
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -80,6 +81,22 @@ class CostProfile:
         data = json.loads(text)
         data["verify_seconds"] = {int(k): float(v) for k, v in data["verify_seconds"].items()}
         return cls(**data)
+
+
+def usable_profile(profile: CostProfile) -> CostProfile:
+    """``profile`` if its times can drive a budget, else a ValueError saying what is wrong (a corrupt cache file)."""
+    import math
+
+    times = profile.verify_seconds
+    if not isinstance(times, dict) or 1 not in times or len(times) < 2:
+        raise ValueError("verification times need n = 1 and at least one larger size")
+    if not all(isinstance(t, float) and math.isfinite(t) and t > 0 for t in times.values()):
+        raise ValueError("verification times must be positive seconds")
+    for name in ("draft_context_seconds", "draft_step_seconds"):
+        value = getattr(profile, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be seconds >= 0")
+    return profile
 
 
 def profile_key(target, draft=None, top_k: int | None = None) -> str:
@@ -178,9 +195,9 @@ def load_or_measure_profile(target, draft=None, top_k: int = 10, sizes=DEFAULT_S
     if not refresh and os.path.exists(path):
         try:
             with open(path, encoding="utf-8") as fh:
-                return CostProfile.from_json(fh.read())
-        except (OSError, ValueError, TypeError, KeyError):
-            pass  # unreadable: measure again
+                return usable_profile(CostProfile.from_json(fh.read()))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:  # unreadable: measure again
+            warnings.warn(f"The cached cost profile {path} is unusable ({error}); measuring it again.", stacklevel=2)
     if verbose:
         print("measuring the verification cost curve t(n) on this machine (once; cached) ...")
     verify = measure_verify_seconds(target, sizes)

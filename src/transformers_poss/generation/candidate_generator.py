@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from ..checks import tree_setting
 from ..configuration_poss import DEFAULT_TREE_SHAPE
 from ..modeling_poss import PosSDraftModel
 from ..quantization.int8 import linear_device
@@ -26,12 +27,7 @@ def tree_shape(draft) -> tuple[int, int, int | str]:
     cost curve of this machine (see `transformers_poss.generation.budget`).
     """
     config = getattr(draft, "generation_config", None)
-    values = [getattr(config, name, None) or default for name, default in DEFAULT_TREE_SHAPE.items()]
-    auto = values[2] == "auto"
-    depth, top_k = int(values[0]), int(values[1])
-    total = "auto" if auto else int(values[2])
-    if depth < 1 or top_k < 1 or (not auto and total < 2):
-        raise ValueError(f"invalid tree shape: depth={depth}, top_k={top_k}, total_tokens={total}")
+    depth, top_k, total = (tree_setting(config, name, default) for name, default in DEFAULT_TREE_SHAPE.items())
     return depth, top_k, total
 
 
@@ -97,7 +93,7 @@ class PosSCandidateGenerator(CandidateGenerator):
         if self.total_tokens == "auto":
             from .budget import TreeBudget, load_or_measure_profile
 
-            self.total_tokens = int(getattr(config, "tree_max_total_tokens", None) or AUTO_MAX_NODES)
+            self.total_tokens = tree_setting(config, "tree_max_total_tokens", AUTO_MAX_NODES)
             profile = load_or_measure_profile(self.target, self.draft, top_k=self.top_k)
             self.budget = TreeBudget(profile, depth=self.depth, max_nodes=self.total_tokens)
 

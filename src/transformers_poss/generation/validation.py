@@ -7,6 +7,9 @@ message that says what to change.
 
 from __future__ import annotations
 
+import warnings
+
+import torch
 from transformers.generation.configuration_utils import GenerationMode
 
 from .._transformers_compat import attn_implementation
@@ -60,6 +63,8 @@ def check_generation_config(model, draft, generation_mode, generation_config) ->
             "not be lossless. Call `transformers_poss.use_exact_attention(target)` "
             "(`quantize_int8` does it by default)."
         )
+    check_materialized(model, draft)
+    warn_near_ties(model, generation_config)
     draft.config.check_target(model.config)  # raises ValueError on fingerprint / vocab / hidden size mismatch
     if getattr(draft, "_target_lm_head", None) is not model.get_output_embeddings():
         try:
@@ -86,3 +91,47 @@ def check_inputs(model, input_ids, generation_config, model_kwargs, synced_gpus)
     check_cache_supported(cache)
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("Tree speculative decoding cannot continue from a pre-filled cache; pass a fresh one.")
+
+
+def check_materialized(model, draft) -> None:
+    """Refuse a target or draft whose weights are on the meta device (created empty, never loaded). Weights offloaded
+    by accelerate (``device_map`` with disk / CPU offload) are on "meta" too but are loaded by hooks: those pass."""
+    for name, module in (("target", model), ("PosS draft", draft)):
+        if getattr(module, "hf_device_map", None) or any(hasattr(m, "_hf_hook") for m in module.modules()):
+            continue
+        if any(p.device.type == "meta" for p in module.parameters()):
+            raise ValueError(
+                f"The {name} has weights on the meta device (an empty model, e.g. from init_empty_weights or "
+                "device_map='meta'): load it with real weights before generating."
+            )
+
+
+NEAR_TIE_DTYPES = (torch.bfloat16, torch.float16)
+_warned_near_ties: set = set()
+
+
+def is_bit_exact(model) -> bool:
+    """Whether greedy tree speculation reproduces plain greedy ``generate`` bit for bit on this target: float32
+    weights, or the int8 exact path (`quantize_int8`: int8 activations with float64 attention). In bfloat16 /
+    float16, verifying several tokens in one forward rounds differently from one token at a time, so outputs are
+    identical only up to floating-point near-ties."""
+    if has_int8_activations(model) and attn_implementation(model.config) == EXACT_ATTENTION:
+        return True
+    return getattr(model, "dtype", torch.float32) not in NEAR_TIE_DTYPES
+
+
+def warn_near_ties(model, generation_config) -> None:
+    """Warn once per dtype when greedy output can differ from plain ``generate`` at floating-point near-ties."""
+    if generation_config.do_sample or is_bit_exact(model):
+        return
+    dtype = str(model.dtype).replace("torch.", "")
+    if dtype in _warned_near_ties:
+        return
+    _warned_near_ties.add(dtype)
+    warnings.warn(
+        f"Greedy tree speculation on a {dtype} target matches plain generate only up to floating-point near-ties "
+        "(verifying several tokens per forward rounds differently; outputs can diverge where two tokens tie). For "
+        "bit-exact output use a float32 target or transformers_poss.quantize_int8 on the CPU.",
+        UserWarning,
+        stacklevel=2,
+    )

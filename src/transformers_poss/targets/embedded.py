@@ -224,7 +224,23 @@ def resolve_target(name_or_path: str | os.PathLike) -> str:
     key = str(name_or_path)
     if key in EMBEDDED_TARGETS:
         return str(embedded_folder(key))
+    check_target_name(key)
     return key
+
+
+def check_target_name(name: str) -> None:
+    """Refuse a missing local path, and a near miss of an embedded name, before it is tried as a Hub id."""
+    import difflib
+
+    from ..checks import require_local_path
+
+    require_local_path(name, "target folder")
+    if "/" not in name and not os.path.exists(name):
+        close = [known for known in EMBEDDED_TARGETS if known.startswith(name.lower())]
+        close = close or difflib.get_close_matches(name.lower(), list(EMBEDDED_TARGETS), n=1, cutoff=0.6)
+        if close:
+            raise ValueError(f"{name!r} is not an embedded target nor a local folder; did you mean {close[0]!r}? "
+                             f"(embedded: {', '.join(EMBEDDED_TARGETS)}; else a Hub id org/name or a folder)")
 
 
 def uses_chat_template(name_or_path: str | os.PathLike, tokenizer) -> bool:
@@ -252,9 +268,15 @@ def load_target(name_or_path: str | os.PathLike, dtype: torch.dtype | str = torc
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = resolve_target(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation,
-                                                 **kwargs)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation,
+                                                     **kwargs)
+    except OSError as error:
+        if os.path.exists(folder):
+            raise
+        raise OSError(f"{name_or_path}: not an embedded target ({', '.join(EMBEDDED_TARGETS)}), not a local folder, "
+                      f"and loading it as a Hub id failed: {str(error).strip().splitlines()[0]}") from error
     if device is not None:
         model = model.to(device)
     model.eval()

@@ -184,9 +184,9 @@ def build_draft(config: PosSTrainConfig, target, train_dataset, tokenizer):
 
 
 def _last_checkpoint(output_dir):
-    from transformers.trainer_utils import get_last_checkpoint
+    from .checkpoints import last_complete_checkpoint
 
-    return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    return last_complete_checkpoint(output_dir)
 
 
 def train(config: PosSTrainConfig, target, tokenizer, train_dataset, eval_dataset):
@@ -246,10 +246,14 @@ def run(config: PosSTrainConfig) -> int:
 
     from ..embedded import load_target
 
+    from .recipe_checks import check_draft_fits, check_recipe
+
+    check_recipe(config)  # before any model loads
     state = PartialState()  # joins the process group under torchrun / accelerate launch (gloo on CPU)
     set_seed(config.training.seed)
     with state.main_process_first():  # the main process makes data and features; the others then find them
         target, tokenizer = load_target(config.script.target, device=resolve_device(config.script.device))
+        check_draft_fits(config, target)  # before the data and feature stages
         train_dataset, eval_dataset = build_datasets(config, target, tokenizer, write=state.is_main_process)
     if config.script.stage in ("data", "features"):
         return 0

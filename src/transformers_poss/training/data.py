@@ -48,23 +48,54 @@ def normalize_messages(example) -> list[dict]:
                 break
         else:
             raise ValueError(f"An example needs `messages` or `conversations`; got keys {sorted(example)}.")
+    if not isinstance(turns, (list, tuple)):
+        raise ValueError(f"The turns of an example must be a list of messages, got a {type(turns).__name__}.")
     messages = []
-    for turn in turns:
+    for number, turn in enumerate(turns, 1):
+        if not isinstance(turn, dict):
+            raise ValueError(f"Message {number} must be an object with role and content, got {turn!r:.60}.")
         role = turn.get("role", turn.get("from"))
         content = turn.get("content", turn.get("value"))
         if role not in _ROLES:
-            raise ValueError(f"Unknown role {role!r}; expected one of {sorted(_ROLES)}.")
-        messages.append({"role": _ROLES[role], "content": content if isinstance(content, str) else str(content)})
+            raise ValueError(f"Unknown role {role!r} in message {number}; expected one of {sorted(_ROLES)}.")
+        messages.append({"role": _ROLES[role], "content": _text_content(content, number)})
     return messages
+
+
+def _text_content(content, number: int) -> str:
+    """The text of a message; missing, null and non-text content is refused (it would be trained as "None")."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        raise ValueError(f"Message {number} has no content (missing or null): give it text or drop the message.")
+    raise ValueError(f"Message {number} has content of type {type(content).__name__}; it must be a string.")
 
 
 def _read_json_file(path: str) -> list:
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        if ".jsonl" in os.path.basename(path):
-            return [json.loads(line) for line in handle if line.strip()]
-        data = json.load(handle)
-    return data if isinstance(data, list) else data.get("data", data.get("examples", [data]))
+    try:
+        with opener(path, "rt", encoding="utf-8") as handle:
+            if ".jsonl" in os.path.basename(path):
+                return [_json_line(line, path, number) for number, line in enumerate(handle, 1) if line.strip()]
+            data = json.load(handle)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error}).") from None
+    except (EOFError, gzip.BadGzipFile, UnicodeDecodeError, OSError) as error:
+        raise ValueError(f"{path}: cannot be read ({error}); the file is truncated or not "
+                         f"{'gzip-compressed ' if path.endswith('.gz') else ''}UTF-8 JSON.") from None
+    if isinstance(data, dict):
+        data = data.get("data", data.get("examples", [data]))
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a list of examples, got a {type(data).__name__}.")
+    return data
+
+
+def _json_line(line: str, path: str, number: int):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno}); fix or remove "
+                         "the line.") from None
 
 
 def load_conversations(source, split: str = "train", limit: int | None = None) -> list[list[dict]]:
@@ -75,9 +106,14 @@ def load_conversations(source, split: str = "train", limit: int | None = None) -
         split: split to use for a DatasetDict or a dataset name.
         limit: keep at most this many conversations.
     """
+    where = "example"
     if isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
         examples = _read_json_file(str(source))
+        where = f"{source}: example"
     elif isinstance(source, (str, os.PathLike)):
+        from ..checks import require_local_path
+
+        require_local_path(source, "data file")
         import datasets
 
         examples = datasets.load_dataset(str(source), split=split)
@@ -86,8 +122,11 @@ def load_conversations(source, split: str = "train", limit: int | None = None) -
     else:
         examples = source
     out = []
-    for example in examples:
-        messages = normalize_messages(example)
+    for number, example in enumerate(examples, 1):
+        try:
+            messages = normalize_messages(example)
+        except ValueError as error:
+            raise ValueError(f"{where} {number}: {error}") from None
         if any(m["role"] == "assistant" for m in messages):
             out.append(messages)
         if limit is not None and len(out) >= limit:

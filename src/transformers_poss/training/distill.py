@@ -56,10 +56,32 @@ REQUEST_CATEGORIES = {
 
 
 def read_jsonl(path) -> list[dict]:
+    """Records of a JSONL file (none when it does not exist).
+
+    A last line cut off by a kill while appending is dropped (and removed from the file, so appending resumes
+    cleanly); any other line that is not valid JSON is an error naming the file and line.
+    """
     if not os.path.exists(path):
         return []
     with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+        lines = handle.readlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if number == len(lines) and not line.endswith("\n"):
+                import warnings
+
+                warnings.warn(f"{path}:{number}: dropping a line cut off by an interrupted run.", stacklevel=2)
+                with open(path, "w", encoding="utf-8") as handle:
+                    handle.writelines(lines[:-1])
+                break
+            raise ValueError(f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno}); fix or remove "
+                             "the line.") from None
+    return records
 
 
 def _append_jsonl(path, records):

@@ -86,7 +86,24 @@ class PosSDataCollator:
 
 
 # ---------------------------------------------------------------------------------------------------- offline
-def _write_shard(path: Path, items: list[dict], features: list[torch.Tensor], dtype):
+def target_fingerprint(target) -> str:
+    """A digest identifying the target's features: its config, and a sample of every weight tensor (dtype, shape
+    and up to 64 strided values), so a retrained, re-quantized or different target gives a different digest."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    config = getattr(target, "config", None)
+    digest.update((config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else "").encode())
+    for name, tensor in list(target.state_dict().items()):
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+        if tensor.device.type != "meta" and tensor.numel() and (tensor.is_floating_point() or tensor.dtype == torch.int8):
+            flat = tensor.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 64)][:64].to(device="cpu", dtype=torch.float64)
+            digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def _write_shard(path: Path, items: list[dict], features: list[torch.Tensor], dtype, fingerprint: str | None = None):
     lengths = torch.tensor([0] + [len(i["input_ids"]) for i in items])
     tensors = {
         "input_ids": torch.cat([torch.as_tensor(i["input_ids"]) for i in items]).to(torch.int32),
@@ -95,19 +112,23 @@ def _write_shard(path: Path, items: list[dict], features: list[torch.Tensor], dt
         "offsets": torch.cumsum(lengths, 0),
     }
     tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp))
+    save_file(tensors, str(tmp), metadata={"target_fingerprint": fingerprint} if fingerprint else None)
     os.replace(tmp, path)
 
 
-def _shard_matches(path: Path, items: list[dict]) -> bool:
-    """True when ``path`` exists and stores exactly these sequences (same tokens and assistant masks), so a resumed
-    run reuses it; a shard left from other data (a grown or reshuffled data set) is recomputed."""
+def _shard_matches(path: Path, items: list[dict], fingerprint: str | None = None) -> bool:
+    """True when ``path`` exists and stores exactly these sequences (same tokens and assistant masks) computed by the
+    same target (``fingerprint``, see `target_fingerprint`), so a resumed run reuses it; a shard left from other data
+    (a grown or reshuffled data set) or from another target is recomputed."""
     if not path.exists():
         return False
     try:
         with safe_open(str(path), framework="pt") as handle:
             stored_ids, stored_mask = handle.get_tensor("input_ids"), handle.get_tensor("assistant_mask")
+            stored_target = (handle.metadata() or {}).get("target_fingerprint")
     except Exception:  # a truncated or unreadable shard is recomputed
+        return False
+    if fingerprint is not None and stored_target != fingerprint:
         return False
     ids = torch.cat([torch.as_tensor(i["input_ids"]) for i in items]).to(torch.int32)
     mask = torch.cat([torch.as_tensor(i["assistant_mask"]) for i in items]).to(torch.uint8)
@@ -130,6 +151,7 @@ def write_feature_shards(target, dataset, output_dir, batch_size: int = 8, seque
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    fingerprint = target_fingerprint(target)
     compute = TargetFeatures(target)
     device = device or next(target.parameters()).device
     total = len(dataset)
@@ -138,7 +160,7 @@ def write_feature_shards(target, dataset, output_dir, batch_size: int = 8, seque
     for shard_index, start in enumerate(range(0, total, sequences_per_shard)):
         path = output_dir / f"shard-{shard_index:05d}.safetensors"
         items = [dataset[i] for i in range(start, min(total, start + sequences_per_shard))]
-        if not _shard_matches(path, items):
+        if not _shard_matches(path, items, fingerprint):
             features = [None] * len(items)
             order = sorted(range(len(items)), key=lambda i: len(items[i]["input_ids"]))
             for b in range(0, len(order), batch_size):
@@ -147,7 +169,7 @@ def write_feature_shards(target, dataset, output_dir, batch_size: int = 8, seque
                 out = compute(batch["tokens"].to(device), batch["attention_mask"].to(device)).cpu()
                 for row, i in enumerate(chosen):
                     features[i] = out[row, : len(items[i]["input_ids"])]
-            _write_shard(path, items, features, dtype)
+            _write_shard(path, items, features, dtype, fingerprint)
         shards.append({"file": path.name, "sequences": len(items), "tokens": sum(len(i["input_ids"]) for i in items)})
         bar.update(len(items))
     bar.close()
@@ -159,6 +181,7 @@ def write_feature_shards(target, dataset, output_dir, batch_size: int = 8, seque
         "hidden_size": getattr(config, "hidden_size", None),
         "dtype": str(dtype).replace("torch.", ""),
         "target": getattr(config, "_name_or_path", None),
+        "target_fingerprint": fingerprint,
     }
     (output_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
     return index

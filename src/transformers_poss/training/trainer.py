@@ -22,6 +22,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
+from .checkpoints import AtomicCheckpointMixin
 from .features import PosSDataCollator, TargetFeatures, batch_to, draft_inputs
 from .objective import OBJECTIVE_FIELDS, ObjectiveConfig, ObjectiveFields, check_objective, set_objective
 
@@ -205,7 +206,7 @@ def init_specialists(draft, source, copy_fc: bool = True, copy_token_map: bool =
     return draft
 
 
-class PosSTrainer(Trainer):
+class PosSTrainer(AtomicCheckpointMixin, Trainer):
     """Trainer for PosS drafts.
 
     Args:

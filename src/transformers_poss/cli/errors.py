@@ -1,0 +1,164 @@
+"""User errors on the command line: one or two lines on stderr and a non-zero exit, never a traceback.
+
+``poss --debug COMMAND ...`` (or ``POSS_DEBUG=1``) shows the full traceback instead. The argparse types below refuse
+bad numbers while the command line is parsed, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..checks import is_auto
+
+EXIT_USER_ERROR = 2
+
+
+class ShortErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are two lines (the error, then where the help is), not the full usage."""
+
+    def error(self, message):
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message}\n(see `{self.prog} --help`)\n")
+
+
+def debug_requested(debug: bool = False) -> bool:
+    """``--debug`` was given, or ``POSS_DEBUG`` is set (to anything but 0)."""
+    return bool(debug) or os.environ.get("POSS_DEBUG", "").strip() not in ("", "0")
+
+
+def take_debug_flag(argv: list[str]) -> tuple[list[str], bool]:
+    """``argv`` without ``--debug`` (accepted anywhere, also for subcommands with their own parser) and whether it
+    was there."""
+    return [a for a in argv if a != "--debug"], "--debug" in argv
+
+
+def short_message(error: BaseException) -> str:
+    """The error's message on one line (an install command on a second line is kept)."""
+    text = str(error).strip()
+    if isinstance(error, KeyError) and error.args:
+        text = f"missing key {error.args[0]!r}"
+    if isinstance(error, OSError) and getattr(error, "filename", None) and error.strerror:
+        text = f"{error.filename}: {error.strerror}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    if len(lines) > 1 and lines[-1].startswith("pip install"):
+        return " ".join(lines[:-1]) + "\n    " + lines[-1]
+    return " ".join(lines)
+
+
+def report(command: str, error: BaseException, stream=None) -> int:
+    """Print ``poss COMMAND: error: MESSAGE`` and the debug hint; return the exit status."""
+    stream = stream or sys.stderr
+    kind = "" if isinstance(error, (ValueError, OSError, KeyError)) else f"{type(error).__name__}: "
+    print(f"poss {command}: error: {kind}{short_message(error)}", file=stream)
+    print("(run `poss --debug ...` or set POSS_DEBUG=1 for the traceback)", file=stream)
+    return EXIT_USER_ERROR
+
+
+def run_reporting_errors(command: str, run, args, debug: bool = False) -> int:
+    """``run(args)``, with exceptions turned into a short report unless debugging was asked for."""
+    try:
+        return int(run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"poss {command}: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit:
+        raise
+    except Exception as error:  # noqa: BLE001 - every error reaches the user as a short message
+        if debug_requested(debug):
+            raise
+        return report(command, error)
+
+
+def short_warnings(debug: bool = False) -> None:
+    """Show warnings as one line, ``poss: warning: MESSAGE`` (no source line), unless debugging."""
+    import warnings
+
+    if debug_requested(debug):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"poss: warning: {message}", file=file or sys.stderr)
+
+    warnings.showwarning = show
+
+
+# ---------------------------------------------------------------------------------------------------- arg types
+def _integer(text: str, minimum: int, what: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _integer(text, 1, "an integer >= 1")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _integer(text, 0, "an integer >= 0")
+
+
+def tree_total_tokens(text: str) -> int | str:
+    """argparse type: a node count >= 2 (root included) or ``auto`` (any case)."""
+    if is_auto(text):
+        return "auto"
+    return _integer(text, 2, "a number of tree nodes >= 2 (root included) or 'auto'")
+
+
+def temperature(text: str) -> float:
+    """argparse type: a temperature >= 0 (0 = greedy)."""
+    value = _float(text, "a temperature >= 0 (0 = greedy)")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a temperature >= 0 (0 = greedy), got {value}")
+    return value
+
+
+def probability(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    value = _float(text, "a number in (0, 1]")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
+    return value
+
+
+def _float(text: str, what: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def int_list(text: str, minimum: int = 1) -> list[int]:
+    """argparse type: comma-separated integers >= 1."""
+    values = [_integer(part, minimum, f"comma-separated integers >= {minimum}") for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= {minimum}, got {text!r}")
+    return values
+
+
+def tree_total_tokens_list(text: str) -> list[int | str]:
+    """argparse type: comma-separated node counts (>= 2) or ``auto``."""
+    values = [tree_total_tokens(part) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated node counts or 'auto', got {text!r}")
+    return values
+
+
+def set_types(parser: argparse.ArgumentParser, **types) -> None:
+    """Give already registered options (by dest) a stricter argparse type, leaving their definition in place."""
+    for action in parser._actions:
+        if action.dest in types:
+            action.type = types[action.dest]

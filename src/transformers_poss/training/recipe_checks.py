@@ -1,0 +1,101 @@
+"""Checks of a `poss train` run made before anything slow runs.
+
+The schema ([`transformers_poss.training.config`]) types every value and refuses unknown settings; these checks add
+what a type cannot say. `check_recipe` needs no model: numbers in range, the draft shape, that data, prompts and
+``init_from`` exist (each prompts line parsed). `check_draft_fits` needs only the loaded target's config: it builds
+the draft config the training stage will build, so a draft that cannot fit the target fails before data generation
+and feature computation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ..checks import finite_number, positive_int, require_file, require_local_path
+
+_DATA_FILE_SUFFIXES = (".json", ".jsonl", ".gz")
+
+
+def _optional_positive(name: str, value) -> None:
+    if value is not None:
+        positive_int(name, value)
+
+
+def _data_source(name: str, source) -> None:
+    """A data file must exist; a name that is not a path (a `datasets` name) is left to `datasets`."""
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError(f"`{name}` entries must be file paths or dataset names, got {source!r}.")
+    if source.endswith(_DATA_FILE_SUFFIXES):
+        require_file(source, f"{name} file")
+    else:
+        require_local_path(source, f"{name} file")
+
+
+def _prompts_file(path: str) -> None:
+    """Every line of a prompts file is a JSON object with a non-empty ``prompt`` string."""
+    from .distill import read_jsonl
+
+    require_file(path, "--prompts file")
+    for number, record in enumerate(read_jsonl(path), 1):
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
+            raise ValueError(f"{path}: record {number} needs a non-empty \"prompt\" string, got {record!r:.60}.")
+
+
+def _init_from(draft) -> None:
+    """``init_from`` must be a saved draft; a ``draft_vocab_size`` that differs from its kept map is refused now,
+    not after the data and feature stages."""
+    from ..loading_checks import check_draft_folder
+
+    require_local_path(draft.init_from, "--init_from draft folder")
+    if not os.path.isdir(draft.init_from):
+        return
+    check_draft_folder(draft.init_from)
+    with open(os.path.join(draft.init_from, "config.json"), encoding="utf-8") as handle:
+        source_vocab = json.load(handle).get("draft_vocab_size")
+    if source_vocab and draft.draft_vocab_size and draft.draft_vocab_size != source_vocab:
+        raise ValueError(f"--draft_vocab_size {draft.draft_vocab_size} differs from the vocabulary of --init_from "
+                         f"({source_vocab} tokens), which is kept: drop the setting or set it to the source's size.")
+
+
+def check_recipe(config) -> None:
+    """Refuse a run (a [`PosSTrainConfig`]) that would fail, or silently do something else, later; no model loads."""
+    script, draft, data = config.script, config.draft, config.data
+    positive_int("--features_batch_size", script.features_batch_size)
+    positive_int("--num_specialists", draft.num_specialists)
+    positive_int("--positions_per_specialist", draft.positions_per_specialist)
+    _optional_positive("--intermediate_size", draft.intermediate_size)
+    _optional_positive("--draft_vocab_size", draft.draft_vocab_size)
+    if draft.init_from:
+        _init_from(draft)
+    for source in data.train:
+        _data_source("--train", source)
+    for path in data.prompts:
+        _prompts_file(path)
+    if data.eval:
+        _data_source("--eval", data.eval)
+    if data.synthesize_prompts < 0:
+        raise ValueError(f"`--synthesize_prompts` must be >= 0, got {data.synthesize_prompts}.")
+    fraction = finite_number("--eval_fraction", data.eval_fraction, minimum=0.0)
+    if fraction >= 1:
+        raise ValueError(f"`--eval_fraction` must be below 1, got {fraction}.")
+    _optional_positive("--max_conversations", data.max_conversations)
+    for name in ("generation_batch_size", "generation_max_new_tokens", "prompt_batch_size", "prompt_max_new_tokens"):
+        positive_int(f"--{name}", getattr(data, name))
+    finite_number("--generation_temperature", data.generation_temperature, minimum=0.0)
+    positive_int("--max_length", config.training.max_length)
+    if not (data.train or data.prompts or data.synthesize_prompts) and script.stage != "train":
+        raise ValueError("no training data: give --train, --prompts or --synthesize_prompts.")
+
+
+def check_draft_fits(config, target) -> None:
+    """Build the draft config for ``target`` as the training stage will (before data and features are made)."""
+    from ..configuration_poss import PosSDraftConfig
+
+    draft = config.draft
+    try:
+        PosSDraftConfig.for_target(target.config, num_specialists=draft.num_specialists,
+                                   positions_per_specialist=draft.positions_per_specialist,
+                                   intermediate_size=draft.intermediate_size, draft_vocab_size=draft.draft_vocab_size)
+    except ValueError as error:
+        raise ValueError(f"the draft does not fit the target {config.script.target}: {error}") from None
