@@ -58,9 +58,22 @@ class PosSGenerateOutput(GenerateDecoderOnlyOutput):
     acceptance: AcceptanceStats | None = None
 
 
+def tree_draft_of(model) -> PosSDraftModel | None:
+    """The PosS draft behind ``model``: the model itself, or the draft inside a peft ``PeftModel`` (adapters stay
+    active, they are injected into the draft's own layers); None for any other assistant."""
+    if isinstance(model, PosSDraftModel):
+        return model
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model) and type(model).__module__.startswith("peft"):
+        base = get_base_model()
+        if isinstance(base, PosSDraftModel):
+            return base
+    return None
+
+
 def is_tree_draft(model) -> bool:
-    """Whether ``model`` is a PosS draft, i.e. ``generate`` should run tree speculation with it."""
-    return isinstance(model, PosSDraftModel)
+    """Whether ``model`` is a PosS draft (or a PeftModel around one), i.e. ``generate`` runs tree speculation."""
+    return tree_draft_of(model) is not None
 
 
 def tree_shape(draft) -> tuple[int, int, int | str]:
@@ -350,7 +363,9 @@ def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, gen
                        streamer=None, inputs_tensor=None, assistant_model=None, assistant_tokenizer=None,
                        tokenizer=None, **model_kwargs):  # fmt: skip
     """`GenerationMixin._assisted_decoding`, routed to the tree loop when the assistant is a PosS draft."""
-    method = _tree_assisted_decoding if is_tree_draft(assistant_model) else _ORIGINALS["_assisted_decoding"]
+    draft = tree_draft_of(assistant_model)
+    method = _ORIGINALS["_assisted_decoding"] if draft is None else _tree_assisted_decoding
+    assistant_model = assistant_model if draft is None else draft
     return method(
         self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
         streamer=streamer, inputs_tensor=inputs_tensor, assistant_model=assistant_model,
@@ -360,8 +375,8 @@ def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, gen
 
 def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
     """`GenerationMixin._validate_generation_mode` with the checks of a PosS draft instead of the vocab comparison."""
-    draft = generation_mode_kwargs.get("assistant_model")
-    if is_tree_draft(draft):
+    draft = tree_draft_of(generation_mode_kwargs.get("assistant_model"))
+    if draft is not None:
         check_generation_config(self, draft, generation_mode, generation_config)
         generation_mode_kwargs = {k: v for k, v in generation_mode_kwargs.items() if k != "assistant_model"}
     return _ORIGINALS["_validate_generation_mode"](self, generation_mode, generation_config, generation_mode_kwargs)

@@ -317,6 +317,11 @@ class PosSDraftModel(PosSPreTrainedModel):
         position_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: PosSDraftCache | None = None,
+        *,
+        loss_mask: torch.Tensor | None = None,
+        return_loss: bool = True,
+        assistant_mask: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
         **training_inputs,
     ) -> PosSDraftOutput:
         """Run one specialist over context pairs.
@@ -328,9 +333,21 @@ class PosSDraftModel(PosSPreTrainedModel):
             position_ids (`[B, T]`, *optional*): defaults to ``past .. past + T - 1``.
             attention_mask (*optional*): 2D padding mask over past + T keys, or a 4D bool/additive mask.
             cache ([`PosSDraftCache`], *optional*): keys/values of earlier pairs for this specialist; updated in place.
-            training_inputs: ``loss_mask`` and friends select the multi-step training objective (see
-                ``transformers_poss.training``).
+            loss_mask (`[B, T]`, *optional*): pairs whose prediction is trained; selects the multi-step training
+                objective (see ``transformers_poss.training``), as do the other ``training_inputs``.
+            return_loss (`bool`): unused; declared so that a plain `Trainer` knows the loss comes back without labels
+                (it then reports ``eval_loss``).
+            assistant_mask, hidden_states: dataset columns that `PosSDataCollator` turns into ``loss_mask`` and
+                ``target_hidden_states``; declared so that the Trainer's ``remove_unused_columns=True`` keeps them.
+                Passing them here is an error.
         """
+        if assistant_mask is not None or hidden_states is not None:
+            raise ValueError(
+                "`assistant_mask` / `hidden_states` are dataset columns, not draft inputs: collate the examples with "
+                "transformers_poss.training.PosSDataCollator (it builds loss_mask and target_hidden_states)."
+            )
+        if loss_mask is not None:
+            training_inputs["loss_mask"] = loss_mask
         if training_inputs:
             from .training.objective import training_forward
 
