@@ -218,6 +218,8 @@ class PosSDraftModel(PosSPreTrainedModel):
         self._target_lm_head = None
         self._draft_head_weight = None
         self.generation_config = GenerationConfig(**{k: getattr(config, k) for k in TREE_GENERATION_KEYS})
+        self.model_card_extra: str | None = None  # hand-written part of the model card (kept across saves)
+        self.training_recipe: dict | None = None  # saved as training_recipe.json; its "eval" block feeds the card
         self.post_init()
 
     # ------------------------------------------------------------------ target
@@ -390,15 +392,15 @@ class PosSDraftModel(PosSPreTrainedModel):
 
     # ------------------------------------------------------------------ hub
     def save_pretrained(self, save_directory, *args, **kwargs):
-        super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
-            self.generation_config.save_pretrained(save_directory)
-            from .hub import write_model_card
+        """transformers' ``save_pretrained`` plus ``generation_config.json`` (tree shape), the draft's model card
+        (``tags=`` adds card tags) and ``training_recipe.json`` when set; ``push_to_hub=True`` uploads them too."""
+        from .hub import save_pretrained_with_card
 
-            write_model_card(self, save_directory)
+        return save_pretrained_with_card(self, super().save_pretrained, save_directory, args, kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs):
-        """Upload the draft (safetensors, config, generation config with the tree shape, and its model card)."""
+        """Upload the draft (safetensors, config, generation config with the tree shape, its model card and
+        training recipe) in one commit; ``tags=`` adds card tags. Returns the `CommitInfo`."""
         from .hub import push_draft_to_hub
 
         return push_draft_to_hub(self, repo_id, **kwargs)
@@ -406,9 +408,10 @@ class PosSDraftModel(PosSPreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        from .hub import load_tree_generation_config
+        from .hub import load_hub_files, load_tree_generation_config
 
         model.generation_config = load_tree_generation_config(pretrained_model_name_or_path, model.config, kwargs)
+        load_hub_files(model, pretrained_model_name_or_path, kwargs)  # card and training recipe
         return model
 
     @classmethod
