@@ -314,7 +314,9 @@ def save_pretrained_with_card(model, parent_save, save_directory, args, kwargs):
         return None
     api = _api() if push else None
     token = kwargs.get("token")
-    repo_id = api.create_repo(hub["repo_id"], private=hub.get("private"), token=token, exist_ok=True).repo_id if push else None
+    repo_id = None
+    if push:
+        repo_id = api.create_repo(hub["repo_id"], private=hub.get("private"), token=token, exist_ok=True).repo_id
     save_draft_files(model, save_directory, repo=repo_id or card_repo, tags=tags)
     if not push:
         return None
