@@ -176,6 +176,10 @@ def test_eagle_export_from_the_command_line(tmp_path):
                  "--dtype", "bfloat16"]) == 0
     state = load_file(tmp_path / "eagle" / "model.safetensors")
     assert state["fc.weight"].dtype == torch.bfloat16
+    assert main(["export", str(tmp_path / "draft"), str(tmp_path / "sglang"), "--engine", "sglang"]) == 0
+    config = json.loads((tmp_path / "sglang" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle"]  # SGLang's class for EAGLE drafts
+    assert set(load_file(tmp_path / "sglang" / "model.safetensors")) == set(state)
     assert json.loads((tmp_path / "eagle" / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 

@@ -12,6 +12,9 @@ def add_arguments(parser) -> None:
                         help="eagle: Llama config + one layer for vLLM (method 'eagle') and SGLang (EAGLE), S = 1 "
                              "drafts only; custom_generate: the draft plus custom_generate/generate.py for "
                              "target.generate(custom_generate=FOLDER, trust_remote_code=True)")
+    parser.add_argument("--engine", choices=("vllm", "sglang"), default="vllm",
+                        help="eagle: the engine the checkpoint is for (architectures LlamaForCausalLM for vLLM and the "
+                             "EAGLE repository, LlamaForCausalLMEagle for SGLang)")
     parser.add_argument("--reduced-vocab", choices=("token-map", "full", "error"), default="token-map",
                         help="eagle, for a draft with a reduced vocabulary: token-map (full-vocabulary checkpoint plus "
                              "hot_token_ids.pt for SGLang --speculative-token-map), full (no map) or error")
@@ -33,8 +36,8 @@ def run(args) -> int:
     try:
         if args.format == "eagle":
             dtype = getattr(torch, args.dtype) if args.dtype else None
-            out = export_eagle(draft, args.output, reduced_vocab=args.reduced_vocab, fc_bias=not args.no_fc_bias,
-                               dtype=dtype)
+            out = export_eagle(draft, args.output, engine=args.engine, reduced_vocab=args.reduced_vocab,
+                               fc_bias=not args.no_fc_bias, dtype=dtype)
         else:
             out = export_custom_generate(draft, args.output, repo_id=args.repo_id)
     except ExportError as error:

@@ -3,7 +3,9 @@
 EAGLE format (vLLM ``method="eagle"``, SGLang ``--speculative-algorithm EAGLE``, the EAGLE repository): one folder
 with a Llama ``config.json`` and ``model.safetensors`` holding one draft layer,
 
-- config: ``architectures: ["LlamaForCausalLM"]``, ``model_type: "llama"``, ``num_hidden_layers: 1``, the layer shape
+- config: ``architectures: ["LlamaForCausalLM"]`` (vLLM, whose ``EAGLEConfig`` turns it into ``EagleLlamaForCausalLM``,
+  and the EAGLE repository) or ``["LlamaForCausalLMEagle"]`` (SGLang, which picks the model class from it; the
+  only difference between the two), ``model_type: "llama"``, ``num_hidden_layers: 1``, the layer shape
   (``hidden_size``, ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``,
   ``hidden_act``, ``rms_norm_eps``), ``rope_theta`` / ``rope_scaling``, ``max_position_embeddings``, the target's
   full ``vocab_size`` and special token ids, ``tie_word_embeddings: false``, ``torch_dtype``, ``eagle_fc_bias``;
@@ -43,6 +45,7 @@ __all__ = ["export_eagle", "export_custom_generate", "eagle_config", "eagle_stat
 
 EAGLE_TOKEN_MAP_FILE = "hot_token_ids.pt"
 REDUCED_VOCAB_CHOICES = ("token-map", "full", "error")
+ENGINE_ARCHITECTURES = {"vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
 # targets whose input embedding is scaled inside the model (sqrt(H) for Gemma): an engine hands the draft the
 # unscaled table, so the draft would see other inputs than it was trained on
 _SCALED_EMBEDDING_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text")
@@ -90,15 +93,17 @@ def check_eagle_compatible(draft) -> None:
         raise ExportError(f"The EAGLE format's Llama layer uses silu; this draft uses {config.hidden_act!r}.")
 
 
-def eagle_config(draft, dtype: torch.dtype | None = None) -> dict:
-    """The Llama ``config.json`` of the EAGLE checkpoint of ``draft``."""
+def eagle_config(draft, dtype: torch.dtype | None = None, engine: str = "vllm") -> dict:
+    """The Llama ``config.json`` of the EAGLE checkpoint of ``draft`` for ``engine`` (``"vllm"`` or ``"sglang"``)."""
+    if engine not in ENGINE_ARCHITECTURES:
+        raise ValueError(f"engine must be one of {sorted(ENGINE_ARCHITECTURES)}, got {engine!r}.")
     config = draft.config
     rope = dict(config.rope_parameters or {})
     rope_theta = float(rope.pop("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", "default")
     dtype = dtype or next(draft.parameters()).dtype
     out = {
-        "architectures": ["LlamaForCausalLM"],
+        "architectures": [ENGINE_ARCHITECTURES[engine]],
         "model_type": "llama",
         "num_hidden_layers": 1,
         "hidden_size": config.hidden_size,
@@ -147,11 +152,12 @@ def eagle_state_dict(draft, dtype: torch.dtype | None = None, fc_bias: bool = Tr
     return {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
 
 
-def export_eagle(model, output_dir, reduced_vocab: str = "token-map", fc_bias: bool = True,
+def export_eagle(model, output_dir, engine: str = "vllm", reduced_vocab: str = "token-map", fc_bias: bool = True,
                  dtype: torch.dtype | None = None) -> Path:
     """Write ``model`` (an S = 1 draft) as an EAGLE checkpoint folder for vLLM / SGLang; returns the folder.
 
     Args:
+        engine: ``"vllm"`` (also the EAGLE repository's layout) or ``"sglang"``: sets ``architectures``.
         reduced_vocab: for a draft with a reduced drafting vocabulary: ``"token-map"`` (default) writes the
             full-vocabulary checkpoint and the map as ``hot_token_ids.pt`` (SGLang ``--speculative-token-map``;
             vLLM drafts over the full vocabulary); ``"full"`` drops the map; ``"error"`` refuses.
@@ -177,7 +183,7 @@ def export_eagle(model, output_dir, reduced_vocab: str = "token-map", fc_bias: b
                           "draft); keep it, or train the draft with fc_bias=False.")
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    config = eagle_config(draft, dtype)
+    config = eagle_config(draft, dtype, engine=engine)
     config["eagle_fc_bias"] = bool(fc_bias)
     (output_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(eagle_state_dict(draft, dtype, fc_bias=fc_bias), str(output_dir / "model.safetensors"),
