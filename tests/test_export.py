@@ -249,3 +249,31 @@ def test_custom_generate_works_without_importing_transformers_poss(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "OK" in result.stdout
     assert (Path(tmp_path) / "modules").exists()
+
+
+@pytest.mark.integration
+def test_shipped_eagle2_draft_exports_and_reimports_on_the_real_target(tmp_path):
+    from transformers_poss.embedded import load_target
+
+    try:
+        target, tokenizer = load_target("smollm2-135m-instruct")
+    except (ImportError, FileNotFoundError, OSError) as error:
+        pytest.skip(f"embedded target not installed here: {error}")
+    shipped = Path(__file__).resolve().parents[1] / "drafts" / "eagle2-smollm2-135m-instruct"
+    draft = PosSDraftModel.from_pretrained(shipped)
+    assert draft.config.num_specialists == 1 and draft.config.draft_vocab_size
+    export_eagle(draft, tmp_path / "eagle")
+    again = PosSDraftModel.from_official(str(tmp_path / "eagle"), target=target)
+    assert torch.equal(again.layers[0].mlp.down_proj.weight.float(), draft.layers[0].mlp.down_proj.weight.float())
+    assert torch.load(tmp_path / "eagle" / EAGLE_TOKEN_MAP_FILE, weights_only=True).tolist() == \
+        draft.draft_to_target.tolist()
+    again.generation_config.tree_depth, again.generation_config.tree_top_k = 4, 4
+    again.generation_config.tree_total_tokens = 12
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe."}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    plain = target.generate(ids, max_new_tokens=16, do_sample=False)
+    assert torch.equal(target.generate(ids, assistant_model=again, max_new_tokens=16, do_sample=False), plain)
+    folder = export_custom_generate(draft, tmp_path / "cg")
+    out = target.generate(ids, custom_generate=str(folder), trust_remote_code=True, max_new_tokens=16,
+                          do_sample=False)
+    assert torch.equal(out, plain)
