@@ -8,7 +8,7 @@ import torch
 
 from helpers import tiny_llama
 from transformers_poss.cli import main
-from transformers_poss.training.cli import resolve_config
+from transformers_poss.training.config import parse_train_args
 from transformers_poss.training.distill import is_degenerate, regenerate, synthesize_prompts, user_prefix
 
 
@@ -36,14 +36,65 @@ def _conversations(count):
 
 
 def test_config_resolution(tmp_path):
+    """Recipe sections <- flags, every value typed by its field (1e-3 a float, `no` stays "no")."""
     path = tmp_path / "recipe.yaml"
-    path.write_text("target: x\ndraft:\n  num_specialists: 3\ntraining:\n  max_steps: 5\n")
-    config = resolve_config(str(path), ["draft.positions_per_specialist=2", "training.max_steps=7"], output_dir="o")
-    assert config["draft"] == {**config["draft"], "num_specialists": 3, "positions_per_specialist": 2}
-    assert config["training"]["max_steps"] == 7 and config["training"]["logging_steps"] == 10
-    assert config["output_dir"] == "o" and config["features"] == "offline"
-    with pytest.raises(SystemExit):
-        resolve_config(None, [])
+    path.write_text("target: x\ndraft:\n  num_specialists: 3\ndata:\n  max_length: 64\n  generation: {batch_size: 4}\n"
+                    "training:\n  max_steps: 5\n  learning_rate: 1e-3\n  eval_strategy: no\n  report_to: none\n")
+    config = parse_train_args(["--config", str(path), "--positions_per_specialist", "2", "--max_steps", "7",
+                               "--output_dir", "o"])
+    assert (config.draft.num_specialists, config.draft.positions_per_specialist) == (3, 2)
+    assert config.training.max_steps == 7 and config.training.logging_steps == 500
+    assert config.training.learning_rate == 1e-3 and isinstance(config.training.learning_rate, float)
+    assert config.training.eval_strategy == "no" and config.training.max_length == 64
+    assert config.data.generation_batch_size == 4
+    assert config.training.output_dir == "o" and config.script.features == "offline" and config.training.seed == 0
+    assert parse_train_args(["--config", str(path), "--learning_rate", "2e-4"]).training.learning_rate == 2e-4
+    with pytest.raises(SystemExit, match="target"):
+        parse_train_args([])
+
+
+@pytest.mark.parametrize("recipe, message", [
+    ("target: x\ntraining:\n  learning_rat: 1\n", "did you mean learning_rate"),
+    ("target: x\ndraft:\n  specialists: 2\n", "specialists"),
+    ("target: x\nbogus: 1\n", "bogus"),
+    ("target: x\ndata:\n  generation: {beams: 2}\n", "beams"),
+    ("- a list\n", "mapping"),
+])
+def test_unknown_recipe_keys_are_errors(tmp_path, recipe, message):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe)
+    with pytest.raises(SystemExit, match=message):
+        parse_train_args(["--config", str(path)])
+
+
+def test_unknown_flags_and_bad_values_are_errors():
+    with pytest.raises(SystemExit, match="learning_rat"):
+        parse_train_args(["--target", "x", "--learning_rat", "1"])  # no prefix matching
+    with pytest.raises(SystemExit, match="stage"):
+        parse_train_args(["--target", "x", "--stage", "bogus"])
+    with pytest.raises(SystemExit, match="fc_learning_rate_scale"):
+        parse_train_args(["--target", "x", "--fc_learning_rate_scale", "-1"])
+
+
+def test_null_clears_a_recipe_value(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("target: x\ndraft: {init_from: some/draft}\ntraining: {max_grad_value: null}\n")
+    assert parse_train_args(["--config", str(path)]).draft.init_from == "some/draft"
+    assert parse_train_args(["--config", str(path), "--init_from", "None"]).draft.init_from is None
+    assert parse_train_args(["--config", str(path)]).training.max_grad_value is None
+
+
+def test_help_lists_every_field_with_its_default(capsys):
+    from transformers_poss.cli import main as poss
+
+    with pytest.raises(SystemExit) as exit_info:
+        poss(["train", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--num_specialists", "--init_from", "--max_conversations", "--learning_rate", "--step_weights",
+                 "--fc_learning_rate_scale", "--train_budget_minutes", "--features_dir", "--config"):
+        assert flag in text
+    assert "(default: 0.02)" in text  # eval_fraction
 
 
 @pytest.mark.parametrize("features", ["offline", "online"])
@@ -54,7 +105,7 @@ def test_poss_train_writes_a_loadable_draft(tmp_path, tiny_chat_target, features
     recipe = {"target": folder, "draft": {"num_specialists": 2, "positions_per_specialist": 1},
               "data": {"train": [str(data)], "eval_fraction": 0.25, "max_length": 64}, "features": features,
               "training": {"max_steps": 2, "per_device_train_batch_size": 2, "report_to": "none", "use_cpu": True,
-                           "logging_steps": 1, "save_steps": 1, "disable_tqdm": True}}
+                           "logging_steps": 1, "save_steps": 1, "disable_tqdm": True, "eval_strategy": "no"}}
     (tmp_path / "recipe.json").write_text(json.dumps(recipe))
     out = tmp_path / "run"
     assert main(["train", "--config", str(tmp_path / "recipe.json"), "--output-dir", str(out)]) == 0
@@ -67,7 +118,7 @@ def test_poss_train_writes_a_loadable_draft(tmp_path, tiny_chat_target, features
     assert (out / "features" / "train" / "features.json").exists() == (features == "offline")
     # a second run resumes from the last checkpoint instead of starting over
     assert main(["train", "--config", str(tmp_path / "recipe.json"), "--output-dir", str(out),
-                 "--set", "training.max_steps=3"]) == 0
+                 "--max_steps", "3"]) == 0
     state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
 
@@ -133,10 +184,10 @@ def test_int8_copy_generates_like_a_causal_lm(tiny_chat_target, tmp_path):
 def test_resolve_device():
     from transformers_poss.training.cli import resolve_device
 
-    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("auto") == ("cuda:0" if torch.cuda.is_available() else "cpu")
     assert resolve_device(None) == resolve_device("auto")
     assert resolve_device("cpu") == "cpu" and resolve_device("cuda:1") == "cuda:1"
-    assert resolve_config(None, [], target="x")["device"] == "auto"
+    assert parse_train_args(["--target", "x"]).script.device == "auto"
 
 
 def test_python_dash_m_runs_the_cli():
@@ -144,7 +195,7 @@ def test_python_dash_m_runs_the_cli():
     import sys
 
     out = subprocess.run([sys.executable, "-m", "transformers_poss", "train", "--target", "x", "--dry-run",
-                          "--set", "training.max_train_minutes=2"], capture_output=True, text=True, check=True)
+                          "--max_train_minutes", "2"], capture_output=True, text=True, check=True)
     assert "max_train_minutes: 2" in out.stdout and "device: auto" in out.stdout
 
 

@@ -64,11 +64,13 @@ def test_cli_build_draft_keeps_the_init_from_map(tmp_path):
     class Tok:
         all_special_ids, eos_token_id, bos_token_id, pad_token_id = [0], 0, None, 0
 
-    config = {"target": "tiny", "draft": {"num_specialists": 2, "positions_per_specialist": 1,
-                                         "init_from": str(tmp_path / "eagle"), "draft_vocab_size": 16}}
+    from transformers_poss.training.config import parse_train_args
+
+    config = parse_train_args(["--target", "tiny", "--num_specialists", "2", "--init_from", str(tmp_path / "eagle"),
+                               "--draft_vocab_size", "16"])
     draft = build_draft(config, target, data, Tok())
     assert torch.equal(draft.draft_to_target, torch.arange(3, 19))  # not rebuilt from the new data
-    config["draft"]["draft_vocab_size"] = 12
+    config.draft.draft_vocab_size = 12
     with pytest.raises(SystemExit, match="draft_vocab_size"):
         build_draft(config, target, data, Tok())
 

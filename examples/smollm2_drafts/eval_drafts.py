@@ -40,7 +40,7 @@ def main():
     for spec in args.drafts:
         label, folder = spec.split("=", 1)
         draft = PosSDraftModel.from_pretrained(folder).float().to(args.device).eval().attach_target(target)
-        set_objective(draft, ObjectiveConfig(num_steps=args.depth, noise="none"))
+        set_objective(draft, ObjectiveConfig(num_unrolled_steps=args.depth, noise="none"))
         with torch.no_grad():
             metrics = evaluate_draft(draft, batches, lambda b: batch_to(b, args.device))
         results[label] = metrics

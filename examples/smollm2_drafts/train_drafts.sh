@@ -25,7 +25,7 @@ RUNS=${RUNS:-$HOME/.cache/transformers-poss/runs}
 BASE=${BASE:-drafts/eagle2-smollm2-135m-instruct}   # the trained EAGLE-2 draft every other draft starts from
 EPOCHS=${EPOCHS:-1}
 BUDGET_MINUTES=${BUDGET_MINUTES:-}
-MAX_CONVERSATIONS=${MAX_CONVERSATIONS:-null}
+MAX_CONVERSATIONS=${MAX_CONVERSATIONS:-}   # empty: all of the data
 LR=${LR:-5.0e-4}
 FC_LR_SCALE=${FC_LR_SCALE:-0.1}
 THREADS=${THREADS:-1}
@@ -39,33 +39,33 @@ declare -A SHAPE=(
   [poss3]="2 3"     # two specialists, three positions each
 )
 if [ $# -gt 0 ]; then KINDS=("$@"); else KINDS=(eagle2c hass poss2); fi
-COMMON=(--config "$RECIPE" --set features_dir="$RUNS/smollm2-features" --set data.max_conversations="$MAX_CONVERSATIONS")
+COMMON=(--config "$RECIPE" --features_dir "$RUNS/smollm2-features")
+[ -n "$MAX_CONVERSATIONS" ] && COMMON+=(--max_conversations "$MAX_CONVERSATIONS")
 mkdir -p "$RUNS/logs"
 
 if [ "$MODE" != bench ]; then
   if [ ! -f "$BASE/config.json" ]; then
     echo "== stage 1: EAGLE-2 from random weights -> $BASE"
-    poss train "${COMMON[@]}" --set output_dir="$RUNS/smollm2-eagle2" --set draft.num_specialists=1 \
-      --set draft.positions_per_specialist=1 --set draft.init_from=null --set training.learning_rate=1.0e-3 \
-      --set training.warmup_steps=50 --set training.fc_learning_rate_scale=1.0 --set training.num_train_epochs=8
+    poss train "${COMMON[@]}" --output_dir "$RUNS/smollm2-eagle2" --num_specialists 1 --positions_per_specialist 1 \
+      --init_from None --learning_rate 1e-3 --warmup_steps 50 --fc_learning_rate_scale 1 --num_train_epochs 8
     mkdir -p "$BASE" && cp "$RUNS/smollm2-eagle2/final/"* "$BASE/"
   fi
   echo "== features (computed once, shared by every draft)"
-  poss train "${COMMON[@]}" --set output_dir="$RUNS/smollm2-features-run" --stage features
+  poss train "${COMMON[@]}" --output_dir "$RUNS/smollm2-features-run" --stage features
   pids=()
   for kind in "${KINDS[@]}"; do
     read -r S N <<<"${SHAPE[$kind]}"
     if [ -n "$BUDGET_MINUTES" ]; then
-      compute=(--set training.train_budget_minutes="$BUDGET_MINUTES" --set training.num_train_epochs=100)
+      compute=(--train_budget_minutes "$BUDGET_MINUTES" --num_train_epochs 100)
     else
       epochs=$EPOCHS; [ $((S * N)) -eq 1 ] && epochs=$(awk -v e="$EPOCHS" 'BEGIN { print 6 * e }')
-      compute=(--set training.num_train_epochs="$epochs")
+      compute=(--num_train_epochs "$epochs")
     fi
     fc=$FC_LR_SCALE; [ $((S * N)) -eq 1 ] && fc=1.0   # a one-step draft has no later steps pulling on fc
     echo "== stage 2: $kind (S=$S N=$N) from $BASE, ${compute[*]}, fc lr x $fc"
-    OMP_NUM_THREADS=$THREADS poss train "${COMMON[@]}" --set output_dir="$RUNS/smollm2-$kind" \
-      --set draft.num_specialists="$S" --set draft.positions_per_specialist="$N" --set draft.init_from="$BASE" \
-      --set training.learning_rate="$LR" --set training.warmup_steps=20 --set training.fc_learning_rate_scale="$fc" \
+    OMP_NUM_THREADS=$THREADS poss train "${COMMON[@]}" --output_dir "$RUNS/smollm2-$kind" \
+      --num_specialists "$S" --positions_per_specialist "$N" --init_from "$BASE" \
+      --learning_rate "$LR" --warmup_steps 20 --fc_learning_rate_scale "$fc" \
       "${compute[@]}" >"$RUNS/logs/$kind.log" 2>&1 &
     pids+=($!)
   done

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The SmolLM2 draft recipe on one GPU, inside a fixed time budget: grow the self-distilled data with make_data.py,
-# compute the target features once, then train EAGLE-2, HASS and PosS-1/2/3 side by side (one process each) on
-# the same features with the same recipe (recipe.yaml plus larger batches and more epochs).
+# The SmolLM2 draft recipe on one GPU, inside a fixed time budget, following the paper: grow the self-distilled data
+# with make_data.py (prompts by request category, some with follow-up turns), compute the target features once,
+# train the EAGLE-2 draft to the end of its schedule, then start HASS, PosS-1/2/3 and a continued EAGLE-2 draft from
+# it (every specialist and fc copied, its token map kept) and train them side by side (one process each) with
+# schedules sized to the time left (training.train_budget_minutes), so every schedule runs to its end.
 #
 #   bash examples/smollm2_drafts/train_drafts_gpu.sh                # defaults below; override with VAR=value
-#   BUDGET_SECONDS=0 KINDS="hass poss1 poss2 poss3" bash examples/smollm2_drafts/train_drafts_gpu.sh   # equal epochs
+#   BUDGET_SECONDS=0 KINDS="hass poss2" bash examples/smollm2_drafts/train_drafts_gpu.sh   # equal epochs instead
 #
-# Every training run stops at the budget's end and saves what it has (training.max_train_minutes); the drafts land
-# in runs/smollm2-gpu-KIND/final. Benchmark them on the CPU with train_drafts.sh --bench-only (edit the paths).
+# The drafts land in runs/smollm2-gpu-KIND/final. Benchmark them on the CPU with train_drafts.sh --bench-only
+# (RUNS=runs, edit the labels).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python}
@@ -19,37 +21,51 @@ DATA_MINUTES=${DATA_MINUTES:-3.5}   # cap on the data stage
 EPOCHS=${EPOCHS:-8}
 BATCH=${BATCH:-32}
 BUDGET_SECONDS=${BUDGET_SECONDS:-480}   # whole script, data to saved drafts; 0: no limit (every draft runs EPOCHS)
-KINDS=(${KINDS:-eagle2 hass poss1 poss2 poss3})
-EXTRA=(${EXTRA:-})                  # more --set overrides for every training run (e.g. training.max_steps=2)
+KINDS=(${KINDS:-eagle2c hass poss1 poss2 poss3})
+FOLLOWUPS=${FOLLOWUPS:-0}           # answered conversations that get a follow-up turn
+EXTRA=(${EXTRA:-})                  # more flags for every training run (e.g. "--max_steps 2")
 RECIPE=examples/smollm2_drafts/recipe.yaml
 START=$(date +%s)
-declare -A SHAPE=([eagle2]="1 1" [hass]="1 6" [poss1]="6 1" [poss2]="3 2" [poss3]="2 3")
+declare -A SHAPE=([eagle2c]="1 1" [hass]="1 6" [poss1]="6 1" [poss2]="3 2" [poss3]="2 3")
 mkdir -p runs/logs
 
 echo "== data ($(date -u +%T))"
 $PY examples/smollm2_drafts/make_data.py --device "$DEVICE" --prompts "$PROMPTS" --max-new-tokens "$MAX_NEW_TOKENS" \
-  --batch-size "$GEN_BATCH" --prompt-batch-size "$GEN_BATCH" --chunk "$GEN_BATCH" --minutes "$DATA_MINUTES"
+  --batch-size "$GEN_BATCH" --prompt-batch-size "$GEN_BATCH" --chunk "$GEN_BATCH" --minutes "$DATA_MINUTES" \
+  --followups "$FOLLOWUPS"
+TRAIN_FILES=data/smollm2-135m-instruct/conversations.jsonl.gz
+[ -f data/smollm2-135m-instruct/followups.jsonl.gz ] && TRAIN_FILES="$TRAIN_FILES,data/smollm2-135m-instruct/followups.jsonl.gz"
+DATA_SET=(--train ${TRAIN_FILES//,/ })
 
 echo "== features ($(date -u +%T))"
-$PY -m transformers_poss train --config "$RECIPE" --stage features --set device="$DEVICE" \
-  --set features_batch_size=64 --set output_dir=runs/smollm2-gpu-features
+$PY -m transformers_poss train --config "$RECIPE" "${DATA_SET[@]}" --stage features --device "$DEVICE" \
+  --features_batch_size 64 --output_dir runs/smollm2-gpu-features
+
+echo "== stage 1: EAGLE-2 from random weights, $EPOCHS epochs ($(date -u +%T))"
+export TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1   # TF32 matmuls for training only; data and features stay exact fp32
+$PY -m transformers_poss train --config "$RECIPE" "${DATA_SET[@]}" --device "$DEVICE" \
+  --output_dir runs/smollm2-gpu-eagle2 --num_specialists 1 --positions_per_specialist 1 \
+  --init_from None --learning_rate 1e-3 --warmup_steps 50 --fc_learning_rate_scale 1 --num_train_epochs "$EPOCHS" \
+  --per_device_train_batch_size "$BATCH" --logging_steps 50 --save_steps 100000 \
+  --dataloader_num_workers 2 "${EXTRA[@]}" >runs/logs/eagle2.log 2>&1
 
 if [ "$BUDGET_SECONDS" -gt 0 ]; then
   left=$(( BUDGET_SECONDS - ($(date +%s) - START) - 60 ))   # 60 s for start-up, evaluation and saving
   minutes=$(awk -v s="$left" 'BEGIN { m = s / 60; if (m < 0.5) m = 0.5; printf "%.2f", m }')
+  compute=(--train_budget_minutes "$minutes" --num_train_epochs 100)
 else
-  minutes=null   # equal epochs for every draft
+  compute=(--num_train_epochs "$EPOCHS")   # equal epochs for every draft
 fi
-echo "== training ${KINDS[*]} side by side, $EPOCHS epochs, time limit: $minutes minutes ($(date -u +%T))"
+echo "== stage 2: ${KINDS[*]} from the EAGLE-2 draft, side by side, ${compute[*]} ($(date -u +%T))"
 pids=()
-export TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1   # TF32 matmuls for training only; data and features stay exact fp32
 for kind in "${KINDS[@]}"; do
   read -r S N <<<"${SHAPE[$kind]}"
-  $PY -m transformers_poss train --config "$RECIPE" --set device="$DEVICE" --set output_dir="runs/smollm2-gpu-$kind" \
-    --set draft.num_specialists="$S" --set draft.positions_per_specialist="$N" \
-    --set training.num_train_epochs="$EPOCHS" --set training.per_device_train_batch_size="$BATCH" \
-    --set training.max_train_minutes="$minutes" --set training.logging_steps=50 --set training.save_steps=100000 \
-    --set training.dataloader_num_workers=2 "${EXTRA[@]/#/--set=}" >"runs/logs/$kind.log" 2>&1 &
+  fc=0.1; [ $((S * N)) -eq 1 ] && fc=1.0
+  $PY -m transformers_poss train --config "$RECIPE" "${DATA_SET[@]}" --device "$DEVICE" \
+    --output_dir "runs/smollm2-gpu-$kind" --init_from runs/smollm2-gpu-eagle2/final \
+    --num_specialists "$S" --positions_per_specialist "$N" --fc_learning_rate_scale $fc \
+    "${compute[@]}" --per_device_train_batch_size "$BATCH" --logging_steps 50 --save_steps 100000 \
+    --dataloader_num_workers 2 "${EXTRA[@]}" >"runs/logs/$kind.log" 2>&1 &
   pids+=($!)
 done
 status=0

@@ -1,8 +1,8 @@
 """The `poss` command: a thin dispatcher over subcommands.
 
 Each subcommand lives in its own module, imported only when that subcommand runs. A module provides
-``add_arguments(parser)`` and ``run(args) -> int`` (the exit status); adding a subcommand is one entry in
-`COMMANDS`.
+``add_arguments(parser)`` and ``run(args) -> int`` (the exit status), or ``main(argv) -> int`` when it parses its
+own arguments; adding a subcommand is one entry in `COMMANDS`.
 """
 
 from __future__ import annotations
@@ -49,6 +49,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: ``poss COMMAND [options]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    chosen = _chosen(argv)
+    if chosen in COMMANDS and argv and argv[0] == chosen:
+        module = importlib.import_module(COMMANDS[chosen][0])
+        if hasattr(module, "main"):  # a subcommand with a parser of its own (`poss train`: HfArgumentParser)
+            return int(module.main(argv[1:]) or 0)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if args.version:

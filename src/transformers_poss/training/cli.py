@@ -1,11 +1,12 @@
 """`poss train`: data (optionally self-distilled), target features, training and a saved draft, from one config.
 
-    poss train --config recipe.yaml [--set training.max_steps=100 --set draft.num_specialists=2 ...]
+    poss train --config recipe.yaml [--learning_rate 1e-3 --num_specialists 2 ...]
+    torchrun --nproc_per_node 2 -m transformers_poss train --config recipe.yaml      # one DDP job
 
-Config (YAML or JSON; every key optional except ``target``):
+The settings are the fields of [`transformers_poss.training.config`] (`poss train --help` lists them all, with their
+defaults); a recipe holds them flat or by section:
 
     target: smollm2-135m-instruct       # embedded name, Hub id or folder
-    output_dir: runs/poss2              # checkpoints; the final draft goes to output_dir/final
     stage: all                          # data | features | train | all (each stage resumes where it stopped)
     draft: {num_specialists: 3, positions_per_specialist: 2, init_from: null, draft_vocab_size: null}
     data:
@@ -13,17 +14,17 @@ Config (YAML or JSON; every key optional except ``target``):
       prompts: [prompts.jsonl]          # {"prompt": ...} lines to answer with the target
       synthesize_prompts: 0             # sample this many prompts from the target itself
       self_distill: false               # regenerate the assistant turns of `train` with the target
-      distill_dir: null                 # where generated files go (default output_dir/data)
-      generation: {batch_size: 16, max_new_tokens: 512, temperature: 0.0, int8: false}  # int8: CPU, 2x/step
-      eval: null                        # held-out conversations; else eval_fraction of the data
+      generation: {batch_size: 16, max_new_tokens: 512, temperature: 0.0, int8: false}
       eval_fraction: 0.02
-      max_conversations: null           # train on the first N conversations of the (seeded) shuffle only
-      max_length: 2048
+      max_length: 2048                  # = training.max_length
     features: offline                   # offline (bf16 shards, computed once) or online
     features_dir: null                  # default output_dir/features
-    features_batch_size: 8              # sequences per target forward when computing features
-    device: auto                        # where the target generates and computes features (auto: cuda if present)
-    training: {...}                     # any PosSTrainingArguments field
+    device: auto                        # where the target runs (auto: this process's GPU when present)
+    training: {...}                     # any PosSTrainingArguments field (output_dir and seed included)
+
+Under torchrun / accelerate launch every process runs the same command: the main process builds the data and the
+features first (the others then find them done), training is one DDP job (gloo on CPU, NCCL on GPUs), and only the
+main process writes the final draft.
 """
 
 from __future__ import annotations
@@ -34,184 +35,151 @@ import random
 from pathlib import Path
 
 import yaml
+from transformers.utils import logging
 
-DEFAULTS = {
-    "target": None,
-    "output_dir": "poss-draft",
-    "stage": "all",
-    "seed": 0,
-    "draft": {"num_specialists": 1, "positions_per_specialist": 1, "init_from": None, "draft_vocab_size": None,
-              "intermediate_size": None},
-    "data": {"train": [], "prompts": [], "synthesize_prompts": 0, "self_distill": False, "distill_dir": None,
-             "generation": {"batch_size": 16, "max_new_tokens": 512, "temperature": 0.0, "prompt_batch_size": 32,
-                            "prompt_max_new_tokens": 96, "int8": False},
-             "eval": None, "eval_fraction": 0.02, "max_conversations": None, "max_length": 2048},
-    "features": "offline",
-    "features_dir": None,
-    "features_dtype": "bfloat16",
-    "features_batch_size": 8,
-    "device": "auto",
-    "training": {"per_device_train_batch_size": 4, "num_train_epochs": 1, "logging_steps": 10, "save_steps": 500,
-                 "eval_strategy": "no", "report_to": "none"},
-}
+from .config import PosSTrainConfig, build_parser, parse_train_args
+
+
+logger = logging.get_logger(__name__)
+
+
+def main(argv: list[str]) -> int:
+    """``poss train ARGS``: parse with the schema, then run (``--help`` shows every field)."""
+    _log_to_stderr()
+    config = parse_train_args(argv)
+    if config.script.dry_run:
+        print(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        return 0
+    return run(config)
+
+
+def _log_to_stderr() -> None:
+    """The command reports progress through the package's logger (level from TRANSFORMERS_VERBOSITY, default info)."""
+    import logging as std_logging
+
+    package = std_logging.getLogger("transformers_poss")
+    if not package.handlers:
+        handler = std_logging.StreamHandler()
+        handler.setFormatter(std_logging.Formatter("[poss train] %(message)s"))
+        package.addHandler(handler)
+    package.setLevel(os.environ.get("TRANSFORMERS_VERBOSITY", "info").upper())
 
 
 def add_arguments(parser) -> None:
-    import argparse
-
+    """For ``poss --help``: the subcommand parses its own arguments (see `main`)."""
     parser.description = __doc__
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--config", help="YAML or JSON recipe (layout above)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config entry, e.g. training.max_steps=100 (VALUE is parsed as YAML)")
-    parser.add_argument("--target", help="target model (embedded name, Hub id or folder)")
-    parser.add_argument("--output-dir", help="output folder")
-    parser.add_argument("--stage", choices=["data", "features", "train", "all"], help="run only this stage")
-    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
-
-
-# ---------------------------------------------------------------------------------------------------- config
-def _merge(base: dict, update: dict) -> dict:
-    out = dict(base)
-    for key, value in (update or {}).items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def _set(config: dict, dotted: str, value) -> None:
-    keys = dotted.split(".")
-    node = config
-    for key in keys[:-1]:
-        node = node.setdefault(key, {})
-    node[keys[-1]] = value
-
-
-def resolve_config(path: str | None = None, overrides=(), **flags) -> dict:
-    """Defaults <- config file <- ``--set`` overrides <- explicit flags."""
-    config = _merge(DEFAULTS, {})
-    if path:
-        with open(path, encoding="utf-8") as handle:
-            loaded = json.load(handle) if path.endswith(".json") else yaml.safe_load(handle)
-        config = _merge(config, loaded or {})
-    for item in overrides:
-        if "=" not in item:
-            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
-        key, value = item.split("=", 1)
-        _set(config, key.strip(), yaml.safe_load(value))
-    for key, value in flags.items():
-        if value is not None:
-            config[key] = value
-    if not config["target"]:
-        raise SystemExit("a target is required (config `target:` or --target)")
-    for key in ("train", "prompts"):
-        if isinstance(config["data"][key], str):
-            config["data"][key] = [config["data"][key]]
-    return config
+    parser.epilog = build_parser().format_help()
 
 
 # ---------------------------------------------------------------------------------------------------- stages
-def _split(conversations, config):
-    """(train, held-out) conversations; ``data.max_conversations`` keeps a prefix of the training ones."""
-    data = config["data"]
-    if data["eval"]:
+def _split(conversations, config: PosSTrainConfig):
+    """(train, held-out) conversations; ``max_conversations`` keeps a prefix of the training ones."""
+    data = config.data
+    if data.eval:
         from .data import load_conversations
 
-        train, held = list(conversations), load_conversations(data["eval"])
+        train, held = list(conversations), load_conversations(data.eval)
     else:
         shuffled = list(conversations)
-        random.Random(config["seed"]).shuffle(shuffled)
-        count = int(round(len(shuffled) * data["eval_fraction"])) if len(shuffled) > 1 else 0
+        random.Random(config.training.seed).shuffle(shuffled)
+        count = int(round(len(shuffled) * data.eval_fraction)) if len(shuffled) > 1 else 0
         train, held = shuffled[count:], shuffled[:count]
-    if data.get("max_conversations"):  # a prefix of the same order: its feature shards are the full set's first ones
-        train = train[: data["max_conversations"]]
+    if data.max_conversations:  # a prefix of the same order: its feature shards are the full set's first ones
+        train = train[: data.max_conversations]
     return train, held
 
 
-def build_conversations(config, target, tokenizer) -> list[list[dict]]:
+def build_conversations(config: PosSTrainConfig, target, tokenizer) -> list[list[dict]]:
     """The training conversations: given ones, and/or prompts answered by the target (resumable files)."""
     from .data import load_conversations
     from .distill import int8_copy, read_jsonl, regenerate, synthesize_prompts
 
-    data, gen = config["data"], config["data"]["generation"]
+    data, seed = config.data, config.training.seed
     made = {}
 
     def generator():  # the model that generates; an int8 copy is made once, only when something is generated
         if "model" not in made:
-            made["model"] = int8_copy(target) if gen.get("int8") else target
+            made["model"] = int8_copy(target) if data.generation_int8 else target
         return made["model"]
 
-    out_dir = Path(data["distill_dir"] or Path(config["output_dir"]) / "data")
-    given = [c for source in data["train"] for c in load_conversations(source)]
-    prompts = [r["prompt"] for path in data["prompts"] for r in read_jsonl(path)]
-    if data["synthesize_prompts"]:
+    out_dir = Path(data.distill_dir or Path(config.training.output_dir) / "data")
+    given = [c for source in data.train for c in load_conversations(source)]
+    prompts = [r["prompt"] for path in data.prompts for r in read_jsonl(path)]
+    if data.synthesize_prompts:
         out_dir.mkdir(parents=True, exist_ok=True)
-        prompts += synthesize_prompts(generator(), tokenizer, data["synthesize_prompts"], out_dir / "prompts.jsonl",
-                                      batch_size=gen["prompt_batch_size"], max_new_tokens=gen["prompt_max_new_tokens"],
-                                      seed=config["seed"])
-    to_answer = ([[m for m in c if m["role"] != "assistant"] for c in given] if data["self_distill"] else []) + prompts
-    conversations = [] if data["self_distill"] else given
+        prompts += synthesize_prompts(generator(), tokenizer, data.synthesize_prompts, out_dir / "prompts.jsonl",
+                                      batch_size=data.prompt_batch_size, max_new_tokens=data.prompt_max_new_tokens,
+                                      seed=seed)
+    to_answer = ([[m for m in c if m["role"] != "assistant"] for c in given] if data.self_distill else []) + prompts
+    conversations = [] if data.self_distill else given
     if to_answer:
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / "conversations.jsonl"
-        regenerate(generator(), tokenizer, to_answer, path, batch_size=gen["batch_size"],
-                   max_new_tokens=gen["max_new_tokens"], temperature=gen["temperature"], seed=config["seed"])
+        regenerate(generator(), tokenizer, to_answer, path, batch_size=data.generation_batch_size,
+                   max_new_tokens=data.generation_max_new_tokens, temperature=data.generation_temperature, seed=seed)
         conversations += [r["messages"] for r in sorted(read_jsonl(path), key=lambda r: r["id"])]
     if not conversations:
-        raise SystemExit("no training data: give data.train, data.prompts or data.synthesize_prompts")
+        raise SystemExit("no training data: give --train, --prompts or --synthesize_prompts")
     return conversations
 
 
-def build_datasets(config, target, tokenizer):
-    """(train, eval) datasets: feature shards (offline) or tokenized conversations (online)."""
+def build_datasets(config: PosSTrainConfig, target, tokenizer, write: bool = True):
+    """(train, eval) datasets: feature shards (offline) or tokenized conversations (online).
+
+    ``write=False`` (the other processes of a DDP job, after the main one) only reads the shards written before.
+    """
     import torch
 
     from .data import ConversationDataset
     from .features import FeatureShardDataset, write_feature_shards
 
     train, held = _split(build_conversations(config, target, tokenizer), config)
-    max_length = config["data"]["max_length"]
+    max_length = config.training.max_length
     datasets = [ConversationDataset(train, tokenizer, max_length), ConversationDataset(held, tokenizer, max_length)]
-    print(f"train: {len(datasets[0])} conversations, {datasets[0].num_tokens} tokens; eval: {len(datasets[1])}")
-    if config["features"] == "online" or config["stage"] == "data":
+    logger.info("train: %d conversations, %d tokens; eval: %d", len(datasets[0]), datasets[0].num_tokens,
+                len(datasets[1]))
+    script = config.script
+    if script.features == "online" or script.stage == "data":
         return datasets
-    root = Path(config["features_dir"] or Path(config["output_dir"]) / "features")
-    dtype = getattr(torch, config["features_dtype"])
+    root = Path(script.features_dir or Path(config.training.output_dir) / "features")
+    dtype = getattr(torch, script.features_dtype)
     out = []
     for name, dataset in zip(("train", "eval"), datasets):
         if len(dataset):
-            write_feature_shards(target, dataset, root / name, dtype=dtype, batch_size=config["features_batch_size"])
+            if write:
+                write_feature_shards(target, dataset, root / name, dtype=dtype, batch_size=script.features_batch_size)
             out.append(FeatureShardDataset(root / name))
         else:
             out.append(None)
     return out
 
 
-def build_draft(config, target, train_dataset, tokenizer):
+def build_draft(config: PosSTrainConfig, target, train_dataset, tokenizer):
     """A new draft for ``target``: specialists (and fc) optionally initialised from a trained draft, whose reduced
     vocabulary map is then kept; otherwise the map is built from the training data's assistant tokens."""
     from ..configuration_poss import PosSDraftConfig
     from ..modeling_poss import PosSDraftModel
     from .trainer import init_specialists
 
-    spec = config["draft"]
+    spec = config.draft
     draft_config = PosSDraftConfig.for_target(
-        target.config, num_specialists=spec["num_specialists"], positions_per_specialist=spec["positions_per_specialist"],
-        intermediate_size=spec.get("intermediate_size"), name_or_path=config["target"],
+        target.config, num_specialists=spec.num_specialists, positions_per_specialist=spec.positions_per_specialist,
+        intermediate_size=spec.intermediate_size, name_or_path=config.script.target,
     )
     draft = PosSDraftModel(draft_config)
-    if spec.get("init_from"):
-        init_specialists(draft, spec["init_from"])
+    if spec.init_from:
+        init_specialists(draft, spec.init_from)
     inherited = draft.draft_to_target is not None
-    if inherited and spec.get("draft_vocab_size") and spec["draft_vocab_size"] != draft.config.draft_vocab_size:
-        raise SystemExit(f"draft.draft_vocab_size={spec['draft_vocab_size']} differs from the vocabulary of "
-                         f"draft.init_from ({draft.config.draft_vocab_size} tokens), which is kept: drop the setting "
-                         "or set it to the source's size.")
-    if spec.get("draft_vocab_size") and not inherited:
+    if inherited and spec.draft_vocab_size and spec.draft_vocab_size != draft.config.draft_vocab_size:
+        raise SystemExit(f"--draft_vocab_size {spec.draft_vocab_size} differs from the vocabulary of --init_from "
+                         f"({draft.config.draft_vocab_size} tokens), which is kept: drop the setting or set it to the "
+                         "source's size.")
+    if spec.draft_vocab_size and not inherited:
         from ..vocab import build_token_map, count_tokens, set_token_map, special_token_ids
 
         assistant = (item["input_ids"][item["assistant_mask"].bool()] for item in train_dataset)
         counts = count_tokens(assistant, draft_config.vocab_size)
-        set_token_map(draft, build_token_map(counts, spec["draft_vocab_size"], special_token_ids(tokenizer)))
+        set_token_map(draft, build_token_map(counts, spec.draft_vocab_size, special_token_ids(tokenizer)))
     return draft.attach_target(target)
 
 
@@ -221,33 +189,34 @@ def _last_checkpoint(output_dir):
     return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
 
 
-def train(config, target, tokenizer, train_dataset, eval_dataset):
+def train(config: PosSTrainConfig, target, tokenizer, train_dataset, eval_dataset):
     """Train (resuming from the last checkpoint in output_dir) and save the draft to output_dir/final."""
-    from .trainer import PosSTrainer, PosSTrainingArguments
+    from .trainer import PosSTrainer
 
-    training = dict(config["training"])
+    args = config.training
     if eval_dataset is None or not len(eval_dataset):
-        training["eval_strategy"] = "no"
-    args = PosSTrainingArguments(output_dir=config["output_dir"], seed=config["seed"],
-                                 max_length=config["data"]["max_length"], **training)
+        args.eval_strategy = "no"
     draft = build_draft(config, target, train_dataset, tokenizer)
     trainer = PosSTrainer(model=draft, args=args, target=target, train_dataset=train_dataset,
                           eval_dataset=eval_dataset, processing_class=tokenizer)
-    result = trainer.train(resume_from_checkpoint=_last_checkpoint(config["output_dir"]))
+    result = trainer.train(resume_from_checkpoint=_last_checkpoint(args.output_dir))
     metrics = trainer.evaluate() if eval_dataset is not None and len(eval_dataset) else {}
-    draft.model_card_extra = _card(config, result, metrics, len(train_dataset))
-    final = Path(config["output_dir"]) / "final"
-    draft.save_pretrained(final)
-    (final / "training_recipe.json").write_text(json.dumps({"config": config, "eval": metrics}, indent=2, default=str))
-    print(f"draft saved to {final}")
+    if trainer.is_world_process_zero():
+        recipe = config.to_dict()
+        draft.model_card_extra = _card(recipe, result, metrics, len(train_dataset))
+        final = Path(args.output_dir) / "final"
+        draft.save_pretrained(final)
+        (final / "training_recipe.json").write_text(json.dumps({"config": recipe, "eval": metrics}, indent=2,
+                                                               default=str))
+        logger.info("draft saved to %s", final)
     return metrics
 
 
-def _card(config, result, metrics, num_sequences) -> str:
-    lines = ["## Training", "", f"- target: `{config['target']}`; {num_sequences} training sequences; "
-             f"features: {config['features']}", f"- steps: {result.global_step}; final training loss: "
-             f"{result.training_loss:.4f}", "", "Recipe (`poss train` config):", "", "```yaml",
-             yaml.safe_dump({k: v for k, v in config.items() if k != "stage"}, sort_keys=False).strip(), "```"]
+def _card(recipe: dict, result, metrics, num_sequences) -> str:
+    lines = ["## Training", "", f"- target: `{recipe['script']['target']}`; {num_sequences} training sequences; "
+             f"features: {recipe['script']['features']}", f"- steps: {result.global_step}; final training loss: "
+             f"{result.training_loss:.4f}", "", "Recipe (`poss train` settings):", "", "```yaml",
+             yaml.safe_dump({k: v for k, v in recipe.items()}, sort_keys=False).strip(), "```"]
     if metrics:
         depths = sorted(int(k.rsplit("_", 1)[1]) for k in metrics if k.startswith("eval_acc_"))
         lines += ["", "Held-out position-wise figures (greedy chain along the target's continuation):", "",
@@ -260,27 +229,29 @@ def _card(config, result, metrics, num_sequences) -> str:
 
 
 def resolve_device(name: str | None) -> str:
-    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; any other name is returned unchanged."""
+    """``auto`` -> this process's GPU when one is visible (``cuda:LOCAL_RANK`` under torchrun), else ``cpu``; any
+    other name is returned unchanged."""
     import torch
 
     if name in (None, "auto"):
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        if not torch.cuda.is_available():
+            return "cpu"
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     return name
 
 
-def run(args) -> int:
-    config = resolve_config(args.config, args.set, target=args.target, output_dir=args.output_dir, stage=args.stage)
-    if args.dry_run:
-        print(yaml.safe_dump(config, sort_keys=False))
-        return 0
+def run(config: PosSTrainConfig) -> int:
+    from accelerate import PartialState
     from transformers import set_seed
 
     from ..embedded import load_target
 
-    set_seed(config["seed"])
-    target, tokenizer = load_target(config["target"], device=resolve_device(config["device"]))
-    train_dataset, eval_dataset = build_datasets(config, target, tokenizer)
-    if config["stage"] in ("data", "features"):
+    state = PartialState()  # joins the process group under torchrun / accelerate launch (gloo on CPU)
+    set_seed(config.training.seed)
+    with state.main_process_first():  # the main process makes data and features; the others then find them
+        target, tokenizer = load_target(config.script.target, device=resolve_device(config.script.device))
+        train_dataset, eval_dataset = build_datasets(config, target, tokenizer, write=state.is_main_process)
+    if config.script.stage in ("data", "features"):
         return 0
     train(config, target, tokenizer, train_dataset, eval_dataset)
     return 0

@@ -21,21 +21,21 @@ Unrolled steps k = 0 .. K-1 (K = ``draft.config.training_depth`` by default):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["ObjectiveConfig", "set_objective", "get_objective", "unroll", "training_forward", "step_attention_mask"]
+__all__ = ["ObjectiveFields", "ObjectiveConfig", "check_objective", "set_objective", "get_objective", "unroll", "training_forward", "step_attention_mask"]
 
 
 @dataclass
-class ObjectiveConfig:
-    """Settings of the training objective.
+class ObjectiveFields:
+    """Settings of the training objective (also fields of [`PosSTrainingArguments`], which inherits them).
 
     Args:
-        num_steps (`int`, *optional*): steps unrolled per batch; default ``config.training_depth``.
+        num_unrolled_steps (`int`, *optional*): steps unrolled per batch; default ``config.training_depth``.
         feature_weight (`float`): weight of the SmoothL1 feature regression (spec: 1.0).
         ce_weight (`float`): weight of the soft cross-entropy through the target's lm_head (spec: 0.1).
         topk_weight (`float`): weight of the HASS top-k distillation term (0 for PosS).
@@ -47,30 +47,47 @@ class ObjectiveConfig:
         attention_chunk_size (`int`): queries per attention call in steps >= 1 (bounds memory; exact either way).
     """
 
-    num_steps: int | None = None
-    feature_weight: float = 1.0
-    ce_weight: float = 0.1
-    topk_weight: float = 0.0
-    topk: int = 10
-    noise: str = "uniform"
-    noise_scale: float = 0.05
-    step_weights: list[float] | None = None
-    attention_chunk_size: int = 256
+    num_unrolled_steps: int | None = field(default=None, metadata={"help": "Unrolled steps (default: training_depth)."})
+    feature_weight: float = field(default=1.0, metadata={"help": "SmoothL1 feature loss weight."})
+    ce_weight: float = field(default=0.1, metadata={"help": "Soft cross-entropy weight."})
+    topk_weight: float = field(default=0.0, metadata={"help": "HASS top-k distillation weight."})
+    topk: int = field(default=10, metadata={"help": "Tokens of the top-k term."})
+    noise: str = field(default="uniform", metadata={"help": "Input-feature noise: uniform, gaussian or none."})
+    noise_scale: float = field(default=0.05, metadata={"help": "Uniform noise width or gaussian std."})
+    step_weights: list[float] | None = field(
+        default=None, metadata={"help": "Loss weight of each unrolled step (default: 1.0 each)."}
+    )
+    attention_chunk_size: int = field(default=256, metadata={"help": "Queries per attention call (memory bound)."})
+
+
+def check_objective(settings: ObjectiveFields) -> None:
+    """Clear errors for objective settings that cannot work."""
+    if settings.noise not in ("uniform", "gaussian", "none"):
+        raise ValueError(f"noise must be 'uniform', 'gaussian' or 'none', got {settings.noise!r}.")
+    if settings.step_weights is not None and any(w < 0 for w in settings.step_weights):
+        raise ValueError(f"step_weights must be >= 0, got {settings.step_weights}.")
+
+
+OBJECTIVE_FIELDS = tuple(f.name for f in fields(ObjectiveFields))
+
+
+@dataclass
+class ObjectiveConfig(ObjectiveFields):
+    """The objective's settings on their own (see [`ObjectiveFields`]), e.g. for `set_objective`."""
 
     def __post_init__(self):
-        if self.noise not in ("uniform", "gaussian", "none"):
-            raise ValueError(f"noise must be 'uniform', 'gaussian' or 'none', got {self.noise!r}.")
+        check_objective(self)
 
     @classmethod
     def from_dict(cls, values: dict | None) -> "ObjectiveConfig":
-        names = {f.name for f in fields(cls)}
+        names = set(OBJECTIVE_FIELDS)
         unknown = set(values or {}) - names
         if unknown:
             raise ValueError(f"Unknown objective settings {sorted(unknown)}; known: {sorted(names)}.")
         return cls(**(values or {}))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {name: getattr(self, name) for name in OBJECTIVE_FIELDS}
 
 
 def set_objective(draft, objective: ObjectiveConfig | dict | None) -> None:
@@ -259,7 +276,7 @@ def training_forward(draft, input_ids, target_hidden_states, loss_mask, objectiv
     objective = objective or get_objective(draft)
     if overrides:
         objective = ObjectiveConfig.from_dict({**objective.to_dict(), **overrides})
-    num_steps = objective.num_steps or draft.config.training_depth
+    num_steps = objective.num_unrolled_steps or draft.config.training_depth
     weights = objective.step_weights or [1.0] * num_steps
     if len(weights) != num_steps:
         raise ValueError(f"step_weights has {len(weights)} entries for {num_steps} steps.")

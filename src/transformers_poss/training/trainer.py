@@ -13,6 +13,7 @@ A plain `transformers.Trainer` already trains a draft on offline features (the d
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
 from .features import PosSDataCollator, TargetFeatures, batch_to, draft_inputs
-from .objective import ObjectiveConfig, set_objective
+from .objective import OBJECTIVE_FIELDS, ObjectiveConfig, ObjectiveFields, check_objective, set_objective
 
 logger = logging.get_logger(__name__)
 
@@ -39,18 +40,16 @@ __all__ = [
 
 
 @dataclass
-class PosSTrainingArguments(TrainingArguments):
-    r"""[`TrainingArguments`] with the draft objective's settings and the PosS authors' optimiser defaults
-    (AdamW lr 3e-5, betas (0.9, 0.95), 1% linear warmup then linear decay, gradient clipping by value 0.5).
+class PosSTrainingArguments(ObjectiveFields, TrainingArguments):
+    r"""[`TrainingArguments`] with the draft objective's settings (the fields of [`ObjectiveFields`], defined there
+    once) and the PosS authors' optimiser defaults (AdamW lr 3e-5, betas (0.9, 0.95), 1% linear warmup then linear
+    decay, gradient clipping by value 0.5).
 
     Args:
-        num_unrolled_steps (`int`, *optional*): steps unrolled per batch (default: the draft's training_depth).
-        feature_weight, ce_weight, topk_weight, topk: loss weights (see [`ObjectiveConfig`]).
-        noise, noise_scale: input-feature noise (``"uniform"`` width or ``"gaussian"`` std; ``"none"``).
-        attention_chunk_size (`int`): queries per attention call in unrolled steps.
+        num_unrolled_steps, feature_weight, ce_weight, topk_weight, topk, noise, noise_scale, step_weights,
+            attention_chunk_size: the objective (see [`ObjectiveConfig`]).
         max_length (`int`): tokens per sequence (longer ones are truncated by the collator).
         max_grad_value (`float`, *optional*): clip every gradient entry to [-v, v] before the optimiser step.
-        step_weights (`list[float]`, *optional*): loss weight of each unrolled step (default 1.0 each).
         fc_learning_rate_scale (`float`): learning rate of the shared ``fc`` relative to the rest (1.0); ``0`` freezes
             it. In a multi-step draft the later steps give most of ``fc``'s gradient; a draft started from a trained
             EAGLE layer keeps its step-1 behaviour better with a slower or frozen ``fc``.
@@ -62,19 +61,8 @@ class PosSTrainingArguments(TrainingArguments):
             run stops after the current step (the learning-rate schedule is cut short) and ``train()`` returns.
     """
 
-    num_unrolled_steps: int | None = field(default=None, metadata={"help": "Unrolled steps (default: training_depth)."})
-    feature_weight: float = field(default=1.0, metadata={"help": "SmoothL1 feature loss weight."})
-    ce_weight: float = field(default=0.1, metadata={"help": "Soft cross-entropy weight."})
-    topk_weight: float = field(default=0.0, metadata={"help": "HASS top-k distillation weight."})
-    topk: int = field(default=10, metadata={"help": "Tokens of the top-k term."})
-    noise: str = field(default="uniform", metadata={"help": "Input-feature noise: uniform, gaussian or none."})
-    noise_scale: float = field(default=0.05, metadata={"help": "Uniform noise width or gaussian std."})
-    attention_chunk_size: int = field(default=256, metadata={"help": "Queries per attention call (memory bound)."})
     max_length: int = field(default=2048, metadata={"help": "Maximum tokens per sequence."})
     max_grad_value: float | None = field(default=0.5, metadata={"help": "Clip gradients by value (None: off)."})
-    step_weights: list[float] | None = field(
-        default=None, metadata={"help": "Loss weight of each unrolled step (default: 1.0 each)."}
-    )
     fc_learning_rate_scale: float = field(
         default=1.0, metadata={"help": "Learning rate of the shared fc relative to the rest (0: frozen)."}
     )
@@ -91,21 +79,20 @@ class PosSTrainingArguments(TrainingArguments):
     remove_unused_columns: bool = field(default=False, metadata={"help": "Keep the draft's training inputs."})
 
     def objective(self) -> ObjectiveConfig:
-        return ObjectiveConfig(
-            num_steps=self.num_unrolled_steps, feature_weight=self.feature_weight, ce_weight=self.ce_weight,
-            topk_weight=self.topk_weight, topk=self.topk, noise=self.noise, noise_scale=self.noise_scale,
-            step_weights=list(self.step_weights) if self.step_weights else None,
-            attention_chunk_size=self.attention_chunk_size,
-        )
+        values = {name: getattr(self, name) for name in OBJECTIVE_FIELDS}
+        if values["step_weights"] is not None:
+            values["step_weights"] = list(values["step_weights"])
+        return ObjectiveConfig(**values)
 
     def __post_init__(self):
-        super().__post_init__()
+        if self.ddp_backend is None and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+            self.ddp_backend = "gloo"  # DDP on CPUs
+        TrainingArguments.__post_init__(self)
+        check_objective(self)
         if self.fc_learning_rate_scale < 0:
             raise ValueError(f"fc_learning_rate_scale must be >= 0 (0 freezes fc), got {self.fc_learning_rate_scale}.")
         if self.train_budget_minutes is not None and self.train_budget_minutes <= 0:
             raise ValueError(f"train_budget_minutes must be > 0, got {self.train_budget_minutes}.")
-        if self.step_weights is not None and any(w < 0 for w in self.step_weights):
-            raise ValueError(f"step_weights must be >= 0, got {self.step_weights}.")
 
 
 class ClipGradValueCallback(TrainerCallback):
@@ -274,7 +261,7 @@ class PosSTrainer(Trainer):
         """DDP must look for unused parameters when some specialist is never run by the unrolled steps."""
         if args.ddp_find_unused_parameters is not None:
             return
-        steps = objective.num_steps or draft.config.training_depth
+        steps = objective.num_unrolled_steps or draft.config.training_depth
         used = {draft.config.specialist_for_step(k) for k in range(steps)}
         args.ddp_find_unused_parameters = len(used) < draft.config.num_specialists
 
