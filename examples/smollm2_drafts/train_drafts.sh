@@ -9,10 +9,11 @@
 #
 #   bash examples/smollm2_drafts/train_drafts.sh [--train-only | --bench-only] [KIND ...]   # default: eagle2c hass poss2
 #
-# Compute per draft, one of:
-#   EPOCHS=E          six-step drafts train E epochs, the continued EAGLE-2 draft 6 x E epochs (the same number of
-#                     unrolled draft steps per token); the default, E = 1
-#   BUDGET_MINUTES=M  every draft gets M minutes of wall time; its schedule is sized to fit (train_budget_minutes)
+# Compute per draft: the continued EAGLE-2 draft gets as many unrolled draft steps as a six-step draft (6 optimiser
+# steps for each of theirs, same batch), chosen one of two ways:
+#   EPOCHS=E          six-step drafts train E epochs, the continued EAGLE-2 draft 6 x E epochs; the default, E = 1
+#   BUDGET_MINUTES=M  six-step drafts size their schedule to M minutes (train_budget_minutes, at most EPOCHS
+#                     epochs); the continued EAGLE-2 draft then trains 6 x the steps the first of them chose
 # Other settings: RUNS (run folders, outside the work tree), MAX_CONVERSATIONS (a prefix of the data), LR, FC_LR_SCALE,
 # THREADS (torch threads per training process; the kinds train side by side).
 set -euo pipefail
@@ -52,26 +53,40 @@ if [ "$MODE" != bench ]; then
   fi
   echo "== features (computed once, shared by every draft)"
   poss train "${COMMON[@]}" --output_dir "$RUNS/smollm2-features-run" --stage features
-  pids=()
-  for kind in "${KINDS[@]}"; do
+  pids=(); names=()
+  first_deep=""
+  for kind in $(for k in "${KINDS[@]}"; do read -r S N <<<"${SHAPE[$k]}"; echo "$((S * N)) $k"; done | sort -rn | cut -d' ' -f2); do
     read -r S N <<<"${SHAPE[$kind]}"
-    if [ -n "$BUDGET_MINUTES" ]; then
-      compute=(--train_budget_minutes "$BUDGET_MINUTES" --num_train_epochs 100)
+    if [ $((S * N)) -gt 1 ]; then
+      if [ -n "$BUDGET_MINUTES" ]; then
+        compute=(--train_budget_minutes "$BUDGET_MINUTES" --num_train_epochs "$EPOCHS")
+      else
+        compute=(--num_train_epochs "$EPOCHS")
+      fi
+      [ -z "$first_deep" ] && first_deep=$kind
+      fc=$FC_LR_SCALE
     else
-      epochs=$EPOCHS; [ $((S * N)) -eq 1 ] && epochs=$(awk -v e="$EPOCHS" 'BEGIN { print 6 * e }')
-      compute=(--num_train_epochs "$epochs")
+      if [ -n "$BUDGET_MINUTES" ] && [ -n "$first_deep" ]; then
+        schedule="$RUNS/smollm2-$first_deep/schedule.json"
+        while [ ! -f "$schedule" ]; do sleep 10; done   # written once the six-step draft has timed its batches
+        steps=$(python -c "import json; print(6 * json.load(open('$schedule'))['max_steps'])")
+        compute=(--max_steps "$steps")
+      else
+        compute=(--num_train_epochs "$(awk -v e="$EPOCHS" 'BEGIN { print 6 * e }')")
+      fi
+      fc=1.0   # a one-step draft has no later steps pulling on fc
     fi
-    fc=$FC_LR_SCALE; [ $((S * N)) -eq 1 ] && fc=1.0   # a one-step draft has no later steps pulling on fc
     echo "== stage 2: $kind (S=$S N=$N) from $BASE, ${compute[*]}, fc lr x $fc"
     OMP_NUM_THREADS=$THREADS poss train "${COMMON[@]}" --output_dir "$RUNS/smollm2-$kind" \
       --num_specialists "$S" --positions_per_specialist "$N" --init_from "$BASE" \
       --learning_rate "$LR" --warmup_steps 20 --fc_learning_rate_scale "$fc" \
       "${compute[@]}" >"$RUNS/logs/$kind.log" 2>&1 &
-    pids+=($!)
+    pids+=($!); names+=("$kind")
+    sleep 30   # one process at a time checks the shared feature shards
   done
   status=0
   for i in "${!pids[@]}"; do
-    if ! wait "${pids[$i]}"; then echo "!! ${KINDS[$i]} failed:"; tail -20 "$RUNS/logs/${KINDS[$i]}.log"; status=1; fi
+    if ! wait "${pids[$i]}"; then echo "!! ${names[$i]} failed:"; tail -20 "$RUNS/logs/${names[$i]}.log"; status=1; fi
   done
   [ $status -eq 0 ] || exit $status
   echo "== held-out accuracy by position"
@@ -80,7 +95,10 @@ if [ "$MODE" != bench ]; then
     --output "$RUNS/heldout.json" --plot "$RUNS/heldout.png"
 fi
 [ "$MODE" = train ] && exit 0
-DRAFTS=(); for kind in "${KINDS[@]}"; do DRAFTS+=(--draft "$kind=$RUNS/smollm2-$kind/final"); done
+# one greedy run on MT-Bench, int8: every draft with the fixed 16-node tree (depth 6, top-k 4) and with its automatic
+# budget (at most 16 nodes), each output checked against plain decoding of the same int8 target
+DRAFTS=(--draft "eagle2=$BASE"); for kind in "${KINDS[@]}"; do DRAFTS+=(--draft "$kind=$RUNS/smollm2-$kind/final"); done
 poss bench --target smollm2-135m-instruct "${DRAFTS[@]}" --quantize int8 \
   --questions ../shared/data/mt_bench.jsonl --num-prompts "$PROMPTS" --max-new-tokens 96 \
-  --tree-depth 6 --tree-top-k 4 --tree-total-tokens 16 --output "$RUNS/smollm2-bench.json"
+  --sweep --sweep-depths 6 --sweep-total-tokens 16,auto --no-sweep-chains --tree-top-k 4 \
+  --output "$RUNS/smollm2-bench.json"
