@@ -204,30 +204,6 @@ def test_token_map_survives_round_trip(tmp_path):
     assert loaded.draft_to_target.tolist() == [3, 5, 7, 11, 13, 17, 19, 23]
 
 
-def test_push_to_hub_uploads_weights_and_card(tmp_path, monkeypatch):
-    from transformers.utils import hub
-
-    uploaded = {}
-
-    class FakeApi:
-        def create_repo(self, repo_id, **kwargs):
-            return type("Repo", (), {"repo_id": repo_id})()
-
-    def fake_upload(self, folder, repo_id, **kwargs):
-        import os
-
-        uploaded["files"] = sorted(os.listdir(folder))
-        uploaded["card"] = open(os.path.join(folder, "README.md")).read()
-        return "ok"
-
-    monkeypatch.setattr(hub, "hf_api", lambda: FakeApi())
-    monkeypatch.setattr(PosSDraftModel, "_upload_modified_files", fake_upload)
-    draft = tiny_draft(tiny_llama(), num_specialists=3, positions_per_specialist=2)
-    assert draft.push_to_hub("user/poss2-tiny") == "ok"
-    assert "model.safetensors" in uploaded["files"] and "config.json" in uploaded["files"]
-    assert "user/poss2-tiny" in uploaded["card"] and "| training depth (S x N) | 6 |" in uploaded["card"]
-
-
 def test_gradient_checkpointing_switch():
     draft = tiny_draft(tiny_llama())
     assert not draft.is_gradient_checkpointing

@@ -7,10 +7,10 @@ failure (or, worse, a silent change of behaviour) in the middle of a ``generate`
 
 Checked: ``GenerationMixin._assisted_decoding`` / ``_validate_generation_mode`` (replaced by the generation hook),
 ``_prefill`` / ``_sample`` / ``_update_model_kwargs_for_generation`` (the tree loop and the hand-over),
-``_get_candidate_generator`` (the bench's round recorder), ``_supports_logits_to_keep`` (verification forwards) and
-``PushToHubMixin._upload_modified_files`` (uploading a draft with its own model card). Attributes read at run time
-(``config._attn_implementation``, ``generation_config._pad_token_tensor`` / ``_mask_length``) go through the
-accessors below as well. ``Trainer._save_checkpoint`` / ``_get_output_dir`` (overridden by the atomic
+``_get_candidate_generator`` (the bench's round recorder) and ``_supports_logits_to_keep`` (verification forwards).
+Attributes read at run time (``config._attn_implementation``, ``generation_config._pad_token_tensor`` /
+``_mask_length``) and the private keyword arguments of ``transformers.utils.cached_file`` (reading a draft's optional
+files) go through the accessors below as well. ``Trainer._save_checkpoint`` / ``_get_output_dir`` (overridden by the atomic
 checkpoints of `training.checkpoints`) are checked by `check_trainer` when that module is imported.
 """
 
@@ -20,7 +20,6 @@ import inspect
 
 import transformers
 from transformers.generation.utils import GenerationMixin
-from transformers.utils.hub import PushToHubMixin
 
 SUPPORTED_TRANSFORMERS = ">=5.24,<6"
 
@@ -40,10 +39,6 @@ EXPECTED_PARAMETERS: dict[tuple[type, str], tuple[str, ...]] = {
         "generation_config", "input_ids", "inputs_tensor", "logits_processor", "model_kwargs", "assistant_model",
     ),
     (GenerationMixin, "_supports_logits_to_keep"): (),
-    (PushToHubMixin, "_upload_modified_files"): (
-        "working_dir", "repo_id", "files_timestamps", "commit_message", "token", "create_pr", "revision",
-        "commit_description",
-    ),
 }
 
 # the methods `generation.hook` replaces on GenerationMixin
@@ -143,9 +138,13 @@ def set_mask_length(generation_config, length: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ hub
-def upload_modified_files(model, working_dir, repo_id, **kwargs):
-    """``PushToHubMixin._upload_modified_files`` with every file of ``working_dir`` counted as modified."""
-    return model._upload_modified_files(working_dir, repo_id, files_timestamps={}, **kwargs)
+def optional_hub_file(name_or_path, filename: str, **kwargs) -> str | None:
+    """``cached_file`` of one file of a Hub repo that may lack it: its local path, or None when the repo has no such
+    file or the Hub cannot be reached (its ``_raise_exceptions_for_*`` keywords are private)."""
+    from transformers.utils import cached_file
+
+    return cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False,
+                       _raise_exceptions_for_connection_errors=False, **kwargs)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ Trainer

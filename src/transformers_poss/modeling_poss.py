@@ -167,6 +167,8 @@ class PosSDraftModel(PosSPreTrainedModel):
         self._target_lm_head = None
         self._draft_head_weight = None
         self.generation_config = GenerationConfig(**{k: getattr(config, k) for k in TREE_GENERATION_KEYS})
+        self.model_card_extra: str | None = None  # hand-written part of the model card (kept across saves)
+        self.training_recipe: dict | None = None  # saved as training_recipe.json; its "eval" block feeds the card
         self.post_init()
 
     # ------------------------------------------------------------------ target
@@ -266,6 +268,11 @@ class PosSDraftModel(PosSPreTrainedModel):
         position_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: PosSDraftCache | None = None,
+        *,
+        loss_mask: torch.Tensor | None = None,
+        return_loss: bool = True,
+        assistant_mask: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
         **training_inputs,
     ) -> PosSDraftOutput:
         """Run one specialist over context pairs.
@@ -277,9 +284,21 @@ class PosSDraftModel(PosSPreTrainedModel):
             position_ids (`[B, T]`, *optional*): defaults to ``past .. past + T - 1``.
             attention_mask (*optional*): 2D padding mask over past + T keys, or a 4D bool/additive mask.
             cache ([`PosSDraftCache`], *optional*): keys/values of earlier pairs for this specialist; updated in place.
-            training_inputs: ``loss_mask`` and friends select the multi-step training objective (see
-                ``transformers_poss.training``).
+            loss_mask (`[B, T]`, *optional*): pairs whose prediction is trained; selects the multi-step training
+                objective (see ``transformers_poss.training``), as do the other ``training_inputs``.
+            return_loss (`bool`): unused; declared so that a plain `Trainer` knows the loss comes back without labels
+                (it then reports ``eval_loss``).
+            assistant_mask, hidden_states: dataset columns that `PosSDataCollator` turns into ``loss_mask`` and
+                ``target_hidden_states``; declared so that the Trainer's ``remove_unused_columns=True`` keeps them.
+                Passing them here is an error.
         """
+        if assistant_mask is not None or hidden_states is not None:
+            raise ValueError(
+                "`assistant_mask` / `hidden_states` are dataset columns, not draft inputs: collate the examples with "
+                "transformers_poss.training.PosSDataCollator (it builds loss_mask and target_hidden_states)."
+            )
+        if loss_mask is not None:
+            training_inputs["loss_mask"] = loss_mask
         if training_inputs:
             from .training.objective import training_forward
 
@@ -327,26 +346,27 @@ class PosSDraftModel(PosSPreTrainedModel):
 
     # ------------------------------------------------------------------ hub
     def save_pretrained(self, save_directory, *args, **kwargs):
-        super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
-            self.generation_config.save_pretrained(save_directory)
-            from .hub import write_model_card
+        """transformers' ``save_pretrained`` plus ``generation_config.json`` (tree shape), the draft's model card
+        (``tags=`` adds card tags) and ``training_recipe.json`` when set; ``push_to_hub=True`` uploads them too."""
+        from .hub import save_pretrained_with_card
 
-            write_model_card(self, save_directory)
+        return save_pretrained_with_card(self, super().save_pretrained, save_directory, args, kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs):
-        """Upload the draft (safetensors, config, generation config with the tree shape, and its model card)."""
+        """Upload the draft (safetensors, config, generation config with the tree shape, its model card and
+        training recipe) in one commit; ``tags=`` adds card tags. Returns the `CommitInfo`."""
         from .hub import push_draft_to_hub
 
         return push_draft_to_hub(self, repo_id, **kwargs)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        from .hub import load_tree_generation_config
+        from .hub import load_hub_files, load_tree_generation_config
         from .loading_checks import checked_from_pretrained
 
         model, info = checked_from_pretrained(super().from_pretrained, pretrained_model_name_or_path, *args, **kwargs)
         model.generation_config = load_tree_generation_config(pretrained_model_name_or_path, model.config, kwargs)
+        load_hub_files(model, pretrained_model_name_or_path, kwargs)  # card and training recipe
         return (model, info) if kwargs.get("output_loading_info") else model
 
     @classmethod

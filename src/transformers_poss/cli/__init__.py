@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tune": ("transformers_poss.cli.tune", "choose the tree shape for this machine (cost curve + replay)"),
     "vocab": ("transformers_poss.cli.vocab", "give a draft a reduced drafting vocabulary (no retraining)"),
     "train": ("transformers_poss.training.cli", "train a PosS / EAGLE-2 / HASS draft for a target"),
+    "export": ("transformers_poss.cli.export", "a draft as an EAGLE checkpoint (vLLM / SGLang) or a custom_generate folder"),
 }
 
 

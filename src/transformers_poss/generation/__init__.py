@@ -7,7 +7,7 @@
 - `candidate_generator`, `target_forward`, `emission`, `validation`, `outputs`: the pieces the loops share.
 """
 
-from .candidate_generator import PosSCandidateGenerator, is_tree_draft, tree_shape
+from .candidate_generator import PosSCandidateGenerator, is_tree_draft, tree_draft_of, tree_shape
 from .custom_generate import generate
 from .hook import disable_tree_generation, enable_tree_generation, is_tree_generation_enabled
 from .loop import tree_assisted_decoding
@@ -15,5 +15,5 @@ from .outputs import PosSGenerateOutput
 
 __all__ = [
     "PosSCandidateGenerator", "PosSGenerateOutput", "disable_tree_generation", "enable_tree_generation", "generate",
-    "is_tree_draft", "is_tree_generation_enabled", "tree_assisted_decoding", "tree_shape",
+    "is_tree_draft", "is_tree_generation_enabled", "tree_assisted_decoding", "tree_draft_of", "tree_shape",
 ]

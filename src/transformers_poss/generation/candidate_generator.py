@@ -15,9 +15,22 @@ from ..speculation.tree import DraftTree
 AUTO_MAX_NODES = 64  # upper bound on verified nodes with tree_total_tokens="auto"
 
 
+def tree_draft_of(model) -> PosSDraftModel | None:
+    """The PosS draft behind ``model``: the model itself, or the draft inside a peft ``PeftModel`` (adapters stay
+    active, they are injected into the draft's own layers); None for any other assistant."""
+    if isinstance(model, PosSDraftModel):
+        return model
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model) and type(model).__module__.startswith("peft"):
+        base = get_base_model()
+        if isinstance(base, PosSDraftModel):
+            return base
+    return None
+
+
 def is_tree_draft(model) -> bool:
-    """Whether ``model`` is a PosS draft, i.e. ``generate`` should run tree speculation with it."""
-    return isinstance(model, PosSDraftModel)
+    """Whether ``model`` is a PosS draft (or a PeftModel around one), i.e. ``generate`` runs tree speculation."""
+    return tree_draft_of(model) is not None
 
 
 def tree_shape(draft) -> tuple[int, int, int | str]:

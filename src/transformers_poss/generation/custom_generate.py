@@ -11,7 +11,7 @@ needs the ``assistant_model=`` path (the generation hook). This entry does not d
 
 from __future__ import annotations
 
-from .candidate_generator import is_tree_draft
+from .candidate_generator import tree_draft_of
 from .loop import tree_assisted_decoding
 from .validation import check_generation_config
 
@@ -26,7 +26,8 @@ def generate(model, input_ids, logits_processor=None, stopping_criteria=None, ge
 
         out = target.generate(**inputs, custom_generate=poss_generate, draft=draft, max_new_tokens=64)
     """
-    if not is_tree_draft(draft):
+    draft = tree_draft_of(draft)  # a PeftModel around a draft: the draft, its adapters active
+    if draft is None:
         raise ValueError(
             "custom_generate=transformers_poss.generation.generate needs the PosS draft as `draft=`: "
             "target.generate(**inputs, custom_generate=generate, draft=draft)."

@@ -2,7 +2,7 @@
 
 ``generate`` routes ``assistant_model=...`` to ``GenerationMixin._assisted_decoding``, which verifies one linear
 chain. `enable_tree_generation` (called on ``import transformers_poss``) wraps that method and
-``_validate_generation_mode`` so that a `PosSDraftModel` assistant runs the tree loop (`loop.tree_assisted_decoding`),
+``_validate_generation_mode`` so that a `PosSDraftModel` assistant (or a peft ``PeftModel`` around one) runs the tree loop (`loop.tree_assisted_decoding`),
 and any other assistant (a small LM, prompt lookup, ...) keeps the stock path untouched. `disable_tree_generation`
 restores the original methods. Both methods are reached through `transformers_poss._transformers_compat`.
 """
@@ -10,7 +10,7 @@ restores the original methods. Both methods are reached through `transformers_po
 from __future__ import annotations
 
 from .._transformers_compat import PATCHED_METHODS, current_method, original_method, set_method
-from .candidate_generator import is_tree_draft
+from .candidate_generator import tree_draft_of
 from .loop import tree_assisted_decoding
 from .validation import check_generation_config
 
@@ -21,7 +21,9 @@ def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, gen
                        streamer=None, inputs_tensor=None, assistant_model=None, assistant_tokenizer=None,
                        tokenizer=None, **model_kwargs):  # fmt: skip
     """`GenerationMixin._assisted_decoding`, routed to the tree loop when the assistant is a PosS draft."""
-    method = tree_assisted_decoding if is_tree_draft(assistant_model) else _ORIGINALS["_assisted_decoding"]
+    draft = tree_draft_of(assistant_model)
+    method = _ORIGINALS["_assisted_decoding"] if draft is None else tree_assisted_decoding
+    assistant_model = assistant_model if draft is None else draft
     return method(
         self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
         streamer=streamer, inputs_tensor=inputs_tensor, assistant_model=assistant_model,
@@ -31,8 +33,8 @@ def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, gen
 
 def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
     """`GenerationMixin._validate_generation_mode` with the checks of a PosS draft instead of the vocab comparison."""
-    draft = generation_mode_kwargs.get("assistant_model")
-    if is_tree_draft(draft):
+    draft = tree_draft_of(generation_mode_kwargs.get("assistant_model"))
+    if draft is not None:
         check_generation_config(self, draft, generation_mode, generation_config)
         generation_mode_kwargs = {k: v for k, v in generation_mode_kwargs.items() if k != "assistant_model"}
     return _ORIGINALS["_validate_generation_mode"](self, generation_mode, generation_config, generation_mode_kwargs)

@@ -1,0 +1,47 @@
+"""`poss export`: a draft as an EAGLE checkpoint for vLLM / SGLang, or as a transformers `custom_generate` folder."""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("draft", help="folder or Hub id of the draft (save_pretrained layout)")
+    parser.add_argument("output", help="folder to write")
+    parser.add_argument("--format", choices=("eagle", "custom_generate"), default="eagle",
+                        help="eagle: Llama config + one layer for vLLM (method 'eagle') and SGLang (EAGLE), S = 1 "
+                             "drafts only; custom_generate: the draft plus custom_generate/generate.py for "
+                             "target.generate(custom_generate=FOLDER, trust_remote_code=True)")
+    parser.add_argument("--engine", choices=("vllm", "sglang"), default="vllm",
+                        help="eagle: the engine the checkpoint is for (architectures LlamaForCausalLM for vLLM and the "
+                             "EAGLE repository, LlamaForCausalLMEagle for SGLang)")
+    parser.add_argument("--reduced-vocab", choices=("token-map", "full", "error"), default="token-map",
+                        help="eagle, for a draft with a reduced vocabulary: token-map (full-vocabulary checkpoint plus "
+                             "hot_token_ids.pt for SGLang --speculative-token-map), full (no map) or error")
+    parser.add_argument("--no-fc-bias", action="store_true",
+                        help="eagle: leave fc.bias out (for vLLM releases that refuse it; the bias must be zero)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="eagle: storage dtype (default: the draft's)")
+    parser.add_argument("--repo-id", default=None,
+                        help="custom_generate: Hub repo the folder will be pushed to (default draft of generate.py)")
+
+
+def run(args) -> int:
+    import torch
+
+    from ..export import ExportError, export_custom_generate, export_eagle
+    from ..modeling_poss import PosSDraftModel
+
+    draft = PosSDraftModel.from_pretrained(args.draft)
+    try:
+        if args.format == "eagle":
+            dtype = getattr(torch, args.dtype) if args.dtype else None
+            out = export_eagle(draft, args.output, engine=args.engine, reduced_vocab=args.reduced_vocab,
+                               fc_bias=not args.no_fc_bias, dtype=dtype)
+        else:
+            out = export_custom_generate(draft, args.output, repo_id=args.repo_id)
+    except ExportError as error:
+        print(f"poss export: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
