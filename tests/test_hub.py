@@ -123,7 +123,7 @@ def test_card_and_recipe_survive_load_save_push(tmp_path, fake_hub):
 
 
 def test_card_of_an_older_template_keeps_its_hand_written_part(tmp_path):
-    shipped = Path(__file__).resolve().parents[1] / "drafts" / "poss-smollm2-135m-instruct"
+    shipped = Path(__file__).resolve().parents[1] / "drafts" / "eagle2-smollm2-135m-instruct"
     draft = PosSDraftModel.from_pretrained(shipped)
     assert draft.training_recipe["eval"]["eval_acc_1"] > 0
     assert draft.model_card_extra.startswith("## What this draft is and why it ships")

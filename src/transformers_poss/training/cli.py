@@ -204,10 +204,9 @@ def train(config: PosSTrainConfig, target, tokenizer, train_dataset, eval_datase
     if trainer.is_world_process_zero():
         recipe = config.to_dict()
         draft.model_card_extra = _card(recipe, result, metrics, len(train_dataset))
+        draft.training_recipe = json.loads(json.dumps({"config": recipe, "eval": metrics}, default=str))
         final = Path(args.output_dir) / "final"
-        draft.save_pretrained(final)
-        (final / "training_recipe.json").write_text(json.dumps({"config": recipe, "eval": metrics}, indent=2,
-                                                               default=str))
+        draft.save_pretrained(final)  # the card's eval results and training_recipe.json come from training_recipe
         logger.info("draft saved to %s", final)
     return metrics
 
