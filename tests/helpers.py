@@ -27,3 +27,17 @@ def tiny_draft(target, num_specialists=2, positions_per_specialist=1, seed=1, **
         target.config, num_specialists=num_specialists, positions_per_specialist=positions_per_specialist, **kwargs
     )
     return PosSDraftModel(config).eval().attach_target(target)
+
+
+def motif_sequences(count=24, seed=0, vocab=128):
+    """Token sequences with a learnable pattern (a repeated random motif) and an assistant span (training tests)."""
+    generator = torch.Generator().manual_seed(seed)
+    items = []
+    for _ in range(count):
+        length = int(torch.randint(14, 30, (1,), generator=generator))
+        motif = torch.randint(3, vocab, (5,), generator=generator)
+        tokens = motif.repeat(length // 5 + 1)[:length]
+        mask = torch.zeros(length, dtype=torch.long)
+        mask[length // 3 :] = 1
+        items.append({"input_ids": tokens, "assistant_mask": mask})
+    return items

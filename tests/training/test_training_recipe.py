@@ -6,22 +6,14 @@ import json
 import pytest
 import torch
 
-from helpers import tiny_draft, tiny_llama
+from helpers import motif_sequences, tiny_draft, tiny_llama
 from transformers_poss.training.schedule import load_schedule, steps_for_budget, time_training_steps
 from transformers_poss.training.trainer import PosSTrainer, PosSTrainingArguments, init_specialists
 from transformers_poss.vocab import set_token_map
 
 
 def _sequences(count=16, seed=0, vocab=128):
-    generator = torch.Generator().manual_seed(seed)
-    items = []
-    for _ in range(count):
-        length = int(torch.randint(14, 30, (1,), generator=generator))
-        tokens = torch.randint(3, vocab, (5,), generator=generator).repeat(length // 5 + 1)[:length]
-        mask = torch.zeros(length, dtype=torch.long)
-        mask[length // 3 :] = 1
-        items.append({"input_ids": tokens, "assistant_mask": mask})
-    return items
+    return motif_sequences(count, seed, vocab)
 
 
 def _args(tmp_path, **kwargs):

@@ -4,24 +4,14 @@ import pytest
 import torch
 from transformers import Trainer
 
-from helpers import tiny_draft, tiny_llama
+from helpers import motif_sequences, tiny_draft, tiny_llama
 from transformers_poss import PosSDraftModel
 from transformers_poss.training.features import FeatureShardDataset, PosSDataCollator, TargetFeatures, write_feature_shards
 from transformers_poss.training.trainer import PosSTrainer, PosSTrainingArguments, init_specialists
 
 
 def _sequences(count=24, seed=0, vocab=128):
-    """Token sequences with a learnable pattern (a repeated random motif) and an assistant span."""
-    generator = torch.Generator().manual_seed(seed)
-    items = []
-    for _ in range(count):
-        length = int(torch.randint(14, 30, (1,), generator=generator))
-        motif = torch.randint(3, vocab, (5,), generator=generator)
-        tokens = motif.repeat(length // 5 + 1)[:length]
-        mask = torch.zeros(length, dtype=torch.long)
-        mask[length // 3 :] = 1
-        items.append({"input_ids": tokens, "assistant_mask": mask})
-    return items
+    return motif_sequences(count, seed, vocab)
 
 
 def _args(tmp_path, **kwargs):
