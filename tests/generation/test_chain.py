@@ -414,7 +414,12 @@ def test_cli_tune_reports_chains(tmp_path, monkeypatch, capsys):
     """`poss tune` end to end on a tiny target: chains among the candidates, the winning kind printed and saved."""
     import json
 
+    import sys
+    from pathlib import Path
+
     from helpers import tiny_draft, tiny_llama
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # also when run without tests/bench
     from test_bench import WORDS, _questions, tiny_target_dir  # noqa: F401 - fixture source
 
     from transformers_poss import cli
