@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+from transformers.utils import logging
+
+
+
+logger = logging.get_logger(__name__)
 
 def _pyplot():
     """matplotlib's pyplot on the non-interactive Agg backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
     except ImportError:
-        print("matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
+        logger.warning("matplotlib is not installed: no plots (pip install matplotlib)")
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

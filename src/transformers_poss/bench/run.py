@@ -21,6 +21,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from transformers.utils import logging
+
 import torch
 
 from .methods import (GenerationSettings, Method, Prompt, assistant_method, baseline_method, draft_method,
@@ -31,6 +33,9 @@ from .runtime import PeakMemory, environment, synchronize
 
 
 # ----------------------------------------------------------------------------------------------------------- prompts
+
+logger = logging.get_logger(__name__)
+
 def load_questions(paths, num_prompts: int | None = None, selection: str = "spread") -> list[dict]:
     """Read question files (one JSON object a line, the prompt in ``turns[0]``).
 
@@ -275,7 +280,7 @@ def finish(report: dict, output: str | None, plots: bool = True, greedy: bool = 
             from .plots import save_plots
 
             for path in save_plots(report, output):
-                print(f"plot: {path}", file=sys.stderr)
+                logger.warning("plot: %s", path)
     print(render(report), file=stream)
     problems = mismatch_report(report)
     if greedy and problems and not exact:

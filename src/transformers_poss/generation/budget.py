@@ -25,12 +25,17 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from transformers.utils import logging
+
 from .._transformers_compat import attn_implementation
 
 DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 # ---------------------------------------------------------------------------------------------------- cost profile
+
+logger = logging.get_logger(__name__)
+
 @dataclass
 class CostProfile:
     """Measured costs (seconds) on one machine.
@@ -199,7 +204,7 @@ def load_or_measure_profile(target, draft=None, top_k: int = 10, sizes=DEFAULT_S
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:  # unreadable: measure again
             warnings.warn(f"The cached cost profile {path} is unusable ({error}); measuring it again.", stacklevel=2)
     if verbose:
-        print("measuring the verification cost curve t(n) on this machine (once; cached) ...")
+        logger.warning("measuring the verification cost curve t(n) on this machine (once; cached) ...")
     verify = measure_verify_seconds(target, sizes)
     context, step = measure_draft_seconds(draft, top_k) if draft is not None else (0.0, 0.0)
     profile = CostProfile(key=key, verify_seconds=verify, draft_context_seconds=context, draft_step_seconds=step,
