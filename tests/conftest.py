@@ -1,10 +1,17 @@
 import os
 import pathlib
+import sys
 
 import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# test modules share helpers across folders (e.g. `from test_generation import ...`): make every folder importable,
+# so a single file runs on its own as it does in the whole suite
+for _folder in sorted(p for p in pathlib.Path(__file__).resolve().parent.rglob("*") if p.is_dir() and p.name != "__pycache__"):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
 FIXTURES = SHARED / "fixtures" / "official-poss"

@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     other.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     other.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager", "poss_exact"])
     other.add_argument("--quantize", choices=["none", "int8"], default="none",
-                       help="int8: int8 weights with per-token int8 activations and exact attention for the target, "
+                       help="int8: int8 weights with per-token integer activations and exact attention for the target, "
                             "drafts and assistants (CPU only); every method, "
                             "the baseline included, then runs on the same quantized target")
 
