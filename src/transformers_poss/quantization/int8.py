@@ -2,16 +2,19 @@
 
 On CPUs a decode step is bound by reading weights, so int8 weights make a target forward much cheaper. The scheme
 here ([`Int8Linear`]) keeps speculation lossless: weights are int8 with one scale per output channel, activations
-are quantized on the fly with one scale PER TOKEN (row) to 7-bit integers (-63 .. 63), and the product is an exact
+are quantized on the fly with one scale PER TOKEN (row) to integers in [-127, 127], and the product is an exact
 integer matrix multiply. A token's output therefore depends only on that token, not on the other tokens of the
 forward: verifying a tree of n tokens gives each token the same linear outputs as decoding it alone.
 
 The integer product runs on fbgemm's int8 GEMM (``torch.ops.quantized.linear_dynamic``, one weight read for all
 rows, so verifying 16 tokens costs little more than decoding one) when this torch build has it and a self-check at
-first use confirms it is exact. fbgemm quantizes its input with one scale for the whole matrix; two constant rows
-(-64 and 63) fix that scale to exactly 1 and the zero point to 64, so the already-integer activations pass through
-unchanged and its 7-bit activation range (``reduce_range``, which keeps AVX2's 16-bit pair sums from saturating)
-holds them exactly. Elsewhere the same product runs on ``torch._int_mm``, slower on CPUs without int8 dot-product
+first use confirms it is exact. fbgemm takes 7-bit activations (``reduce_range``, which keeps AVX2's 16-bit pair
+sums from saturating) and quantizes its input with one scale for the whole matrix. So each row of integers is split
+as ``2 * high + low`` (high in [-64, 63], low in {0, 1}), the high and low rows go through ONE fbgemm call, and two
+constant rows (-64 and 63) fix its input scale to exactly 1 and its zero point to 64: the integers pass through
+unchanged, every integer product is exact (weights packed with scale 1), and ``2 * high + low`` is summed in float
+afterwards, which rounds exactly as a cast of the int32 product does. The per-channel and per-token scales are then
+applied in the same order on either kernel. Elsewhere the same steps run on ``torch._int_mm``, slower on CPUs without int8 dot-product
 instructions but with the same result.
 
 A float attention kernel still changes its summation order with the number of queries (~1e-7 differences), and
@@ -38,22 +41,20 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 QUANTIZE_CHOICES = ("none", "int8")
-ACTIVATION_LEVELS = 63  # per-token activations are rounded to integers in [-63, 63]
+ACTIVATION_LEVELS = 127  # per-token activations are rounded to integers in [-127, 127]
 
 
 # ---------------------------------------------------------------------------------------------------- kernels
 class QuantizedRows:
-    """A `[M, K]` input scaled per row so that its largest entry is +-63: ``scaled`` (float; rounding it gives the
-    7-bit integers), ``scale`` `[M, 1]`, and ``padded`` = the two pad rows (see the module docstring) then ``scaled``."""
+    """A `[M, K]` input rounded per row to integers in [-127, 127] (``integers``, float; ``scale`` `[M, 1]`), and
+    its split ``integers = 2 * high + low`` (high in [-64, 63], low in {0, 1}), both 7-bit, stacked under the two pad
+    rows in ``padded`` `[2 + 2M, K]` for fbgemm (see the module docstring)."""
 
     def __init__(self, rows: torch.Tensor):
         self.scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / ACTIVATION_LEVELS
-        self.scaled = rows / self.scale
-        self.padded = torch.cat([_pads(rows.shape[1]), self.scaled])
-
-    def integers(self) -> torch.Tensor:
-        """The int8 `[M, K]` integers (round half to even, as fbgemm rounds)."""
-        return torch.round(self.scaled).clamp(-ACTIVATION_LEVELS, ACTIVATION_LEVELS).to(torch.int8)
+        self.integers = torch.round(rows / self.scale).clamp(-ACTIVATION_LEVELS, ACTIVATION_LEVELS)
+        high = torch.floor(self.integers * 0.5)
+        self.padded = torch.cat([_pads(rows.shape[1]), high, self.integers - 2 * high])
 
 
 _last_input = threading.local()
@@ -70,30 +71,31 @@ def quantize_input(hidden: torch.Tensor, in_features: int) -> QuantizedRows:
     return rows
 
 
-def _pack_fbgemm(weight_int8: torch.Tensor, scale: torch.Tensor):
-    """fbgemm's packed form of `[out, in]` int8 weights with per-output-channel ``scale``."""
-    zero_points = torch.zeros(weight_int8.shape[0], dtype=torch.long)
+def _pack_fbgemm(weight_int8: torch.Tensor):
+    """fbgemm's packed form of `[out, in]` int8 weights, with scale 1 (the per-channel scales are applied after)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch marks its quantized tensor API as deprecated
-        qweight = torch._make_per_channel_quantized_tensor(weight_int8.contiguous(), scale.double(), zero_points, 0)
+        qweight = torch._make_per_tensor_quantized_tensor(weight_int8.contiguous(), 1.0, 0)
         return torch.ops.quantized.linear_prepack(qweight, None)
 
 
 def _fbgemm_product(rows: QuantizedRows, packed) -> torch.Tensor:
-    """`(integers @ W_int^T) * weight_scale` `[M, out]` on fbgemm, which rounds ``scaled`` itself (scale 1, zero
-    point 64, pinned by the pad rows)."""
-    return torch.ops.quantized.linear_dynamic(rows.padded, packed, True)[2:]
+    """The integer product `integers @ W_int^T` `[M, out]` as float on fbgemm: ``2 * high + low``, each part exact
+    (|high products| < 2^24 while in_features < 2064), summed in one rounding like a cast of the int32 result."""
+    products = torch.ops.quantized.linear_dynamic(rows.padded, packed, True)
+    high, low = products[2:].chunk(2)
+    return 2 * high + low
 
 
-def _int_mm_product(rows: QuantizedRows, weight_int8_t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The same product on ``torch._int_mm`` (int8 x int8 -> int32), scaled as fbgemm scales it."""
-    return torch._int_mm(rows.integers(), weight_int8_t).float() * scale
+def _int_mm_product(rows: QuantizedRows, weight_int8_t: torch.Tensor) -> torch.Tensor:
+    """The integer product on ``torch._int_mm`` (int8 x int8 -> int32), cast to float."""
+    return torch._int_mm(rows.integers.to(torch.int8), weight_int8_t).float()
 
 
 @functools.lru_cache(maxsize=None)
 def _pads(in_features: int) -> torch.Tensor:
     pads = torch.zeros(2, in_features)
-    pads[0, 0], pads[1, 0] = -(ACTIVATION_LEVELS + 1), ACTIVATION_LEVELS
+    pads[0, 0], pads[1, 0] = -64.0, 63.0
     return pads
 
 
@@ -107,20 +109,19 @@ def fbgemm_available() -> bool:
     try:
         for in_features, out_features in ((96, 40), (1100, 24)):
             weight = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
-            scale = torch.rand(out_features, generator=generator) / 127 + 1e-3
             rows = QuantizedRows(torch.randn(17, in_features, generator=generator) * 3)
-            rows.scaled[:, 1] = torch.arange(17) - 8.5  # exact halves: fbgemm must round them as torch.round does
-            rows.padded = torch.cat([_pads(in_features), rows.scaled])
-            packed = _pack_fbgemm(weight, scale)
+            packed = _pack_fbgemm(weight)
             many = _fbgemm_product(rows, packed)
-            reference = _int_mm_product(rows, weight.t().contiguous(), scale)
-            exact = (rows.integers().double() @ weight.double().t()) * scale.double()
-            one = torch.cat([
-                torch.ops.quantized.linear_dynamic(rows.padded[[0, 1, 2 + i]], packed, True)[2:] for i in range(17)
+            reference = _int_mm_product(rows, weight.t().contiguous())
+            exact = rows.integers.double() @ weight.double().t()
+            one = torch.stack([
+                2 * products[0] + products[1]
+                for i in range(17)
+                for products in [torch.ops.quantized.linear_dynamic(rows.padded[[0, 1, 2 + i, 19 + i]], packed, True)[2:]]
             ])
             if not (torch.equal(many, one) and torch.equal(many, reference)):
                 return False
-            if ((many.double() - exact).abs() > exact.abs() * 1e-6 + 1e-6).any():
+            if not torch.equal(many.double(), exact):
                 return False
     except (RuntimeError, NotImplementedError) as error:  # a build without the quantized CPU kernels
         logger.info("fbgemm int8 GEMM unavailable (%s); using torch._int_mm", error)
@@ -164,8 +165,8 @@ class Int8Linear(nn.Module):
         if self.weight_int8_t.device.type == "cpu" and fbgemm_available():
             out = _fbgemm_product(rows, self._packed())
         else:
-            out = _int_mm_product(rows, self.weight_int8_t, self.weight_scale)
-        out = out * rows.scale
+            out = _int_mm_product(rows, self.weight_int8_t)
+        out = out * rows.scale * self.weight_scale
         if self.bias is not None:
             out = out + self.bias
         return out.to(dtype).reshape(*shape[:-1], self.out_features)
@@ -174,7 +175,7 @@ class Int8Linear(nn.Module):
         """fbgemm's packed weight, built at first use (not saved; rebuilt when the weight buffer is replaced)."""
         state = self.__dict__.get("_fbgemm")
         if state is None or state[0] is not self.weight_int8_t:
-            state = (self.weight_int8_t, _pack_fbgemm(self.weight_int8_t.t(), self.weight_scale))
+            state = (self.weight_int8_t, _pack_fbgemm(self.weight_int8_t.t()))
             self.__dict__["_fbgemm"] = state
         return state[1]
 
@@ -255,7 +256,7 @@ def quantize_int8(model: nn.Module, include_lm_head: bool = True, exact_attentio
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and (include_lm_head or child is not head):
                 setattr(parent, name, Int8Linear.from_linear(child))
-    model._poss_quantized = "int8"
+    model._poss_quantized = "int8/fbgemm" if fbgemm_available() else "int8/int_mm"  # the kernel keys cost profiles
     config = getattr(model, "config", None)
     if exact_attention is None:
         exact_attention = config is not None and getattr(config, "model_type", None) != "poss_draft"
