@@ -10,7 +10,7 @@ import torch
 
 from ..bench.methods import (GenerationSettings, assistant_method, baseline_method, draft_method,
                              prompt_lookup_method)
-from ..bench.run import build_report, finish, load_questions, make_prompts, run_methods
+from ..bench.run import build_report, finish, load_questions, make_prompts, render, run_methods
 from ..bench.runtime import environment
 from ..checks import check_device, check_writable, require_local_path
 from .errors import (int_list, non_negative_int, positive_int, probability, temperature, tree_total_tokens,
@@ -184,6 +184,7 @@ def run(args) -> int:
     records = run_methods(prompts, methods, settings, seed=args.seed, warmup=args.warmup, device=device,
                           progress=not args.no_progress)
     report = build_report(records, methods, settings_record(args, chat, target), environment(device))
+    print(render(report))
     return finish(report, args.output, plots=not args.no_plots, greedy=settings.greedy, exact=is_bit_exact(target))
 
 
