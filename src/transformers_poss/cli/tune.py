@@ -147,7 +147,7 @@ def run(args) -> int:
     draft = quantized(load_draft(args.draft, target), args.quantize)
     top_k = args.top_k or draft.generation_config.tree_top_k
     prompts = _prompts(args, tokenizer, uses_chat_template(args.target, tokenizer))
-    profile = load_or_measure_profile(target, draft, top_k=top_k, refresh=args.refresh, verbose=True)
+    profile = load_or_measure_profile(target, draft, top_k=top_k, refresh=args.refresh)
     print("verification cost t(n)/t(1): " + ", ".join(f"{n}: {r:.2f}" for n, r in profile.curve().items()))
     print(f"t(1) = {profile.verify(1) * 1000:.1f} ms; draft context step {profile.draft_context_seconds * 1000:.1f} ms,"
           f" further step {profile.draft_step_seconds * 1000:.1f} ms")
