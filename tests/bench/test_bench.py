@@ -353,6 +353,7 @@ def test_tree_draft_method_and_sweep(model, prompts, monkeypatch, tmp_path):
     assert (draft.generation_config.tree_depth, draft.generation_config.tree_total_tokens) == own_shape
     shapes = report["sweep"]["shapes"]
     assert [(s["depth"], s["total_tokens"]) for s in shapes] == [(2, 4), (3, 8), (3, "auto")]
+    assert [s["plain_share"] for s in shapes[:2]] == [0.0, 0.0]  # fixed shapes never fall back to plain decoding
     fixed = [s for s in shapes if s["total_tokens"] != "auto"]
     assert report["sweep"]["best"]["poss"]["speedup"] == max(s["speedup"] for s in fixed)
     auto = report["sweep"]["auto_vs_best"]["poss"]
@@ -380,3 +381,41 @@ def test_cli_bench_batch_sizes(tiny_target_dir, model, tmp_path, capsys):
     assert all(e["tokens_per_s"] > 0 for e in rows.values())
     assert report["methods"]["mine"]["identical_to_baseline"] == 6
     assert "| 2 | mine |" in capsys.readouterr().out
+
+
+def test_plain_decoding_after_a_fallback_is_reported(model, prompts, monkeypatch):
+    """A machine where no tree can pay: the automatic budget falls back after its warm-up rounds, and the report (and
+    the table's "plain %" column) says how much of the method's time and tokens were plain decoding; methods that
+    never fall back report 0 and "-"."""
+    from helpers import tiny_draft
+
+    from transformers_poss.bench.methods import draft_method
+    from transformers_poss.generation import budget as budget_module
+    from transformers_poss.generation.budget import CostProfile
+
+    expensive = CostProfile(key="k", verify_seconds={1: 1.0, 64: 2.0}, draft_context_seconds=50.0,
+                            draft_step_seconds=50.0)
+    monkeypatch.setattr(budget_module, "load_or_measure_profile", lambda *a, **k: expensive)
+    draft = tiny_draft(model)
+    methods = [baseline_method(model), draft_method("auto", model, draft, "tiny", 2, 2, "auto"),
+               draft_method("fixed", model, draft, "tiny", 2, 2, 4)]
+    report = run_report(model, prompts[:2], methods, tokens=12)
+    entry = report["methods"]["auto"]
+    assert entry["identical_to_baseline"] == 2  # lossless across the hand-over
+    plain = entry["plain_decoding"]
+    assert plain["prompts"] == 2 and plain["tokens"] == sum(r["plain_tokens"] for r in entry["per_prompt"])
+    assert plain["tokens"] >= 2 and plain["token_share"] == round(plain["tokens"] / entry["new_tokens"], 4)
+    assert 0 < plain["seconds"] <= entry["seconds"]
+    assert plain["share"] == pytest.approx(plain["seconds"] / entry["seconds"], abs=1e-3)
+    assert plain["seconds"] == entry["time_split"]["seconds"]["plain_decoding"]
+    assert all(r["plain_tokens"] >= 1 and r["plain_decoding_seconds"] > 0 for r in entry["per_prompt"])
+    for name in ("baseline", "fixed"):
+        assert report["methods"][name]["plain_decoding"] == {"seconds": 0.0, "share": 0.0, "tokens": 0,
+                                                             "token_share": 0.0, "prompts": 0}
+    assert report["methods"]["fixed"]["per_prompt"][0]["plain_tokens"] == 0  # tree speculation, never fell back
+    assert report["methods"]["baseline"]["per_prompt"][0]["plain_tokens"] is None  # no budget at all
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+            for line in render(report).splitlines() if line.startswith("| ")}
+    column = rows["method"].index("plain %")
+    assert rows["auto"][column] == f"{plain['share']:.0%}"
+    assert rows["baseline"][column] == rows["fixed"][column] == "-"

@@ -26,7 +26,7 @@ from transformers.utils import logging
 from .methods import (GenerationSettings, Method, Prompt, assistant_method, baseline_method, draft_method,
                       prompt_lookup_method)
 from .metrics import (ACCEPTANCE_CONVENTION, PromptRecord, category_table, compare_with_baseline, markdown_table,
-                      method_report)
+                      method_report, plain_percent)
 from .runtime import PeakMemory, environment, synchronize
 
 
@@ -199,7 +199,8 @@ def sweep_summary(methods: dict) -> dict:
                      "total_tokens": tree["total_tokens"], "top_k": tree["top_k"],
                      "speedup": entry["speedup"]["aggregate"], "speedup_median": entry["speedup"]["median"],
                      "mean_acceptance_length": entry["mean_acceptance_length"],
-                     "mean_draft_depth": entry.get("mean_draft_depth")})
+                     "mean_draft_depth": entry.get("mean_draft_depth"),
+                     "plain_share": entry["plain_decoding"]["share"]})
     best, auto = {}, {}
     for row in rows:
         if row["speedup"] is None:
@@ -234,10 +235,12 @@ def render(report: dict) -> str:
     if len(report["methods"]["baseline"]["by_file"]) > 1:
         parts += ["", category_table(report["methods"], "by_file")]
     if "sweep" in report:
-        parts += ["", "| draft | depth | top-k | total tokens | speed-up | mean acc. length | mean draft depth |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+        parts += ["", "| draft | depth | top-k | total tokens | speed-up | mean acc. length | mean draft depth "
+                  "| plain % |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         parts += [f"| {r['draft']} | {r['depth']} | {r['top_k']} | {r['total_tokens']} | {r['speedup']:.2f}x "
-                  f"| {r['mean_acceptance_length']} | {r.get('mean_draft_depth')} |" for r in report["sweep"]["shapes"]]
+                  f"| {r['mean_acceptance_length']} | {r.get('mean_draft_depth')} "
+                  f"| {plain_percent(r.get('plain_share'))} |"
+                  for r in report["sweep"]["shapes"]]
         for draft, row in report["sweep"].get("auto_vs_best", {}).items():
             parts.append(f"\n{draft}: auto {row['auto_speedup']:.2f}x vs best fixed shape {row['best']} "
                          f"{row['best_speedup']:.2f}x (ratio {row['ratio']:.2f})")
