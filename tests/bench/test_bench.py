@@ -247,6 +247,47 @@ def test_cli_bench_end_to_end(tiny_target_dir, tmp_path, capsys):
     assert "| baseline |" in capsys.readouterr().out
 
 
+def test_bundled_mt_bench_questions_ship_with_the_package():
+    from fnmatch import fnmatch
+    from pathlib import Path
+
+    from conftest import MT_BENCH
+    from transformers_poss.bench import bundled_questions
+
+    path = bundled_questions()
+    questions = load_questions([path], selection="first")
+    assert len(questions) == 80 and len({q["category"] for q in questions}) == 8 and questions[0]["file"] == "mt_bench"
+    assert [q["question_id"] for q in load_questions([path], 8)] == [81, 91, 101, 111, 121, 131, 141, 151]  # spread
+    if MT_BENCH.exists():
+        assert path.read_bytes() == MT_BENCH.read_bytes()
+    assert "Apache License 2.0" in (path.parent / "README.md").read_text()  # its source and licence, next to it
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    package = root / "src" / "transformers_poss" / "bench"
+    assert path.resolve() == (package / "data" / "mt_bench.jsonl").resolve()
+    for name in ("data/mt_bench.jsonl", "data/README.md"):  # both go into the wheel
+        assert any(fnmatch(name, pattern) for pattern in patterns["transformers_poss.bench"]), name
+
+
+def test_cli_bench_runs_the_bundled_questions_without_questions(tiny_target_dir, tmp_path, capsys):
+    from transformers_poss.bench import bundled_questions
+
+    out = tmp_path / "report.json"
+    status = cli.main(["bench", "--target", str(tiny_target_dir), "--num-prompts", "2", "--max-new-tokens", "3",
+                       "--no-prompt-lookup", "--no-progress", "--warmup", "0", "--output", str(out)])
+    assert status == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["questions"] == [str(bundled_questions())]
+    assert report["methods"]["baseline"]["prompts"] == 2 and set(report["methods"]["baseline"]["by_file"]) == {"mt_bench"}
+    assert {row["category"] for row in report["methods"]["baseline"]["per_prompt"]} == {"writing", "roleplay"}
+    err = capsys.readouterr().err
+    assert f"[poss bench] plot: {tmp_path / 'report.speedup.png'}" in err  # the library's log, shown by the command
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    assert "bundled MT-Bench" in " ".join(capsys.readouterr().out.split())
+
+
 def test_cli_bench_with_a_draft_folder(tiny_target_dir, model, tmp_path):
     from helpers import tiny_draft
 

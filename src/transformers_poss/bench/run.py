@@ -34,6 +34,14 @@ logger = logging.get_logger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------------------- prompts
+def bundled_questions() -> Path:
+    """The MT-Bench questions shipped with the package (80 questions, 10 per category; FastChat's copy, Apache-2.0,
+    see ``bench/data/README.md``): what `poss bench` runs on without ``--questions``."""
+    from importlib.resources import files
+
+    return Path(str(files(__package__) / "data" / "mt_bench.jsonl"))
+
+
 def load_questions(paths, num_prompts: int | None = None, selection: str = "spread") -> list[dict]:
     """Read question files (one JSON object a line, the prompt in ``turns[0]``).
 
@@ -299,5 +307,5 @@ def finish(report: dict, output: str | None, plots: bool = True, greedy: bool = 
 
 
 __all__ = ["GenerationSettings", "Method", "Prompt", "assistant_method", "baseline_method", "build_report",
-           "draft_method", "encode_prompt", "finish", "load_questions", "make_prompts", "prompt_lookup_method",
+           "bundled_questions", "draft_method", "encode_prompt", "finish", "load_questions", "make_prompts", "prompt_lookup_method",
            "run_methods", "timed_run"]
