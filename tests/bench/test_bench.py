@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import tiny_llama
+from helpers import save_tiny_target, tiny_llama, write_questions
 
 from transformers_poss import cli
 from transformers_poss.cli import bench as bench_cli
@@ -201,37 +201,14 @@ def test_load_questions(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------ command line
-WORDS = [f"w{i}" for i in range(120)]
-
-
 @pytest.fixture(scope="module")
 def tiny_target_dir(tmp_path_factory, model):
     """A folder holding the tiny model and a word-level tokenizer with a chat template."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(["<unk>", "<s>", "</s>", "user", "assistant", ":"] + WORDS)}
-    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    tokenizer.chat_template = "{% for m in messages %}user : {{ m['content'] }} {% endfor %}assistant :"
-    folder = tmp_path_factory.mktemp("tiny_target")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def _questions(path, count, category):
-    text = "\n".join(json.dumps({"question_id": i, "category": category, "turns": [" ".join(WORDS[i:i + 5] * 2)]})
-                     for i in range(count))
-    path.write_text(text)
-    return str(path)
+    return save_tiny_target(tmp_path_factory.mktemp("tiny_target"), model)
 
 
 def test_cli_bench_end_to_end(tiny_target_dir, tmp_path, capsys):
-    q1, q2 = _questions(tmp_path / "one.jsonl", 3, "x"), _questions(tmp_path / "two.jsonl", 2, "y")
+    q1, q2 = write_questions(tmp_path / "one.jsonl", 3, "x"), write_questions(tmp_path / "two.jsonl", 2, "y")
     out = tmp_path / "report.json"
     status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q1, q2, "--num-prompts", "2",
                        "--max-new-tokens", "6", "--seed", "1", "--threads", "1", "--output", str(out),
@@ -292,7 +269,7 @@ def test_cli_bench_with_a_draft_folder(tiny_target_dir, model, tmp_path):
     from helpers import tiny_draft
 
     tiny_draft(model).save_pretrained(tmp_path / "draft")
-    q = _questions(tmp_path / "q.jsonl", 2, "x")
+    q = write_questions(tmp_path / "q.jsonl", 2, "x")
     out = tmp_path / "r.json"
     status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "6",
                        "--draft", f"mine={tmp_path / 'draft'}", "--tree-depth", "2", "--tree-total-tokens", "4",
@@ -310,7 +287,7 @@ def test_cli_bench_int8_target(tiny_target_dir, tmp_path, monkeypatch):
     quantized = []
     original = quantize.apply_quantization
     monkeypatch.setattr(quantize, "apply_quantization", lambda m, mode: quantized.append(mode) or original(m, mode))
-    q = _questions(tmp_path / "q.jsonl", 2, "x")
+    q = write_questions(tmp_path / "q.jsonl", 2, "x")
     out = tmp_path / "r.json"
     status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "6",
                        "--quantize", "int8", "--no-plots", "--no-progress", "--output", str(out)])
@@ -323,7 +300,7 @@ def test_cli_bench_exits_non_zero_on_mismatch(tiny_target_dir, tmp_path, monkeyp
     original = bench_cli.build_methods
     monkeypatch.setattr(bench_cli, "build_methods",
                         lambda args, target: original(args, target) + [broken(target, prompt_index=0, position=0)])
-    q = _questions(tmp_path / "q.jsonl", 2, "x")
+    q = write_questions(tmp_path / "q.jsonl", 2, "x")
     status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "4",
                        "--no-prompt-lookup", "--no-plots", "--no-progress", "--output", str(tmp_path / "r.json")])
     assert status == 1
@@ -334,7 +311,7 @@ def test_cli_bench_sampling_does_not_demand_equality(tiny_target_dir, tmp_path, 
     original = bench_cli.build_methods
     monkeypatch.setattr(bench_cli, "build_methods",
                         lambda args, target: original(args, target) + [broken(target, prompt_index=0, position=0)])
-    q = _questions(tmp_path / "q.jsonl", 2, "x")
+    q = write_questions(tmp_path / "q.jsonl", 2, "x")
     out = tmp_path / "r.json"
     status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "4",
                        "--temperature", "0.8", "--top-p", "0.9", "--no-plots", "--no-progress", "--output", str(out)])
@@ -408,7 +385,7 @@ def test_cli_bench_batch_sizes(tiny_target_dir, model, tmp_path, capsys):
     from helpers import tiny_draft
 
     tiny_draft(model).save_pretrained(tmp_path / "draft")
-    q = _questions(tmp_path / "q.jsonl", 3, "x")
+    q = write_questions(tmp_path / "q.jsonl", 3, "x")
     out = tmp_path / "r.json"
     status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "6",
                        "--draft", f"mine={tmp_path / 'draft'}", "--tree-depth", "2", "--tree-total-tokens", "8", "--tree-top-k", "2",
