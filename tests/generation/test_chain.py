@@ -412,6 +412,7 @@ def test_tune_measures_the_chosen_chain_as_a_chain(monkeypatch):
 
 def test_cli_tune_reports_chains(tmp_path, monkeypatch, capsys):
     """`poss tune` end to end on a tiny target: chains among the candidates, the winning kind printed and saved."""
+    import importlib.util
     import json
 
     from helpers import save_tiny_target, tiny_draft, tiny_llama, write_questions
@@ -435,6 +436,13 @@ def test_cli_tune_reports_chains(tmp_path, monkeypatch, capsys):
     assert f"-> a {report['chosen']['kind']} wins" in text and "best chain: depth" in text  # top-8 table may hold no chain
     saved = json.loads((tmp_path / "draft" / "generation_config.json").read_text())
     assert saved["tree_top_k"] == report["chosen"]["top_k"] and saved["tree_depth"] == report["chosen"]["depth"]
+    if importlib.util.find_spec("matplotlib"):  # the cost curve and the replayed shapes, next to the report
+        assert (tmp_path / "tune.cost_curve.png").read_bytes()[:4] == b"\x89PNG"
+        assert f"cost curve plot: {tmp_path / 'tune.cost_curve.png'}" in text
+    quiet = tmp_path / "quiet" / "tune.json"
+    assert cli.main(["tune", "--target", str(folder), "--draft", str(tmp_path / "draft"), "--questions", q,
+                     "--num-prompts", "1", "--max-new-tokens", "4", "--output", str(quiet), "--no-plots"]) == 0
+    assert [p.name for p in quiet.parent.iterdir()] == ["tune.json"]
 
 
 # ---------------------------------------------------------------- real target (slow, marked integration)
