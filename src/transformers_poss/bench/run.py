@@ -307,5 +307,5 @@ def finish(report: dict, output: str | None, plots: bool = True, greedy: bool = 
 
 
 __all__ = ["GenerationSettings", "Method", "Prompt", "assistant_method", "baseline_method", "build_report",
-           "bundled_questions", "draft_method", "encode_prompt", "finish", "load_questions", "make_prompts", "prompt_lookup_method",
-           "run_methods", "timed_run"]
+           "bundled_questions", "draft_method", "encode_prompt", "finish", "load_questions", "make_prompts",
+           "prompt_lookup_method", "run_methods", "timed_run"]
