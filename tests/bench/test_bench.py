@@ -256,8 +256,9 @@ def test_cli_bench_runs_the_bundled_questions_without_questions(tiny_target_dir,
     assert status == 0
     report = json.loads(out.read_text())
     assert report["settings"]["questions"] == [str(bundled_questions())]
-    assert report["methods"]["baseline"]["prompts"] == 2 and set(report["methods"]["baseline"]["by_file"]) == {"mt_bench"}
-    assert {row["category"] for row in report["methods"]["baseline"]["per_prompt"]} == {"writing", "roleplay"}
+    baseline = report["methods"]["baseline"]
+    assert baseline["prompts"] == 2 and set(baseline["by_file"]) == {"mt_bench"}
+    assert {row["category"] for row in baseline["per_prompt"]} == {"writing", "roleplay"}
     err = capsys.readouterr().err
     assert f"[poss bench] plot: {tmp_path / 'report.speedup.png'}" in err  # the library's log, shown by the command
     with pytest.raises(SystemExit):

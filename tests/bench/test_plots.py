@@ -1,4 +1,4 @@
-"""PNG plots of the `poss bench` and `poss tune` reports: which files are written, from fixture reports and end to end."""
+"""PNG plots of the `poss bench` and `poss tune` reports: which files are written (fixture reports, end to end)."""
 
 import json
 
