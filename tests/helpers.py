@@ -41,3 +41,34 @@ def motif_sequences(count=24, seed=0, vocab=128):
         mask[length // 3 :] = 1
         items.append({"input_ids": tokens, "assistant_mask": mask})
     return items
+
+
+# ---------------------------------------------------------------------------------- folders the `poss` commands load
+WORDS = [f"w{i}" for i in range(120)]
+
+
+def save_tiny_target(folder, model):
+    """Save `model` with a word-level tokenizer over `WORDS` and a chat template: a target folder for the commands."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(["<unk>", "<s>", "</s>", "user", "assistant", ":"] + WORDS)}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = "{% for m in messages %}user : {{ m['content'] }} {% endfor %}assistant :"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def write_questions(path, count, category):
+    """A question file (mt_bench.jsonl format) of `count` prompts made of `WORDS`; returns its path as str."""
+    import json
+
+    text = "\n".join(json.dumps({"question_id": i, "category": category, "turns": [" ".join(WORDS[i:i + 5] * 2)]})
+                     for i in range(count))
+    path.write_text(text)
+    return str(path)

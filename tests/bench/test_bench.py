@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import tiny_llama
+from helpers import save_tiny_target, tiny_llama, write_questions
 
 from transformers_poss import cli
 from transformers_poss.cli import bench as bench_cli
@@ -93,14 +93,15 @@ def test_chain_assistant_method(model, prompts):
     assert entry["position_acceptance"] is not None
 
 
-def test_broken_method_is_caught(model, prompts, capsys):
+def test_broken_method_is_caught(model, prompts, caplog, capsys):
     methods = [baseline_method(model), broken(model, prompt_index=1, position=2)]
     report = run_report(model, prompts, methods)
     entry = report["methods"]["broken"]
     assert entry["identical_to_baseline"] == 2
     assert entry["mismatches"] == [{"question_id": 1, "file": "file_a", "first_mismatch": 2}]
     assert finish(report, None, greedy=True) == 1
-    assert "GREEDY OUTPUT MISMATCH" in capsys.readouterr().err
+    assert [r.levelname for r in caplog.records if "GREEDY OUTPUT MISMATCH" in r.getMessage()] == ["ERROR"]
+    assert capsys.readouterr().out == ""  # the library prints nothing: the command prints render(report)
     assert finish(report, None, greedy=False) == 0  # sampling: differences are expected, not an error
 
 
@@ -200,37 +201,14 @@ def test_load_questions(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------ command line
-WORDS = [f"w{i}" for i in range(120)]
-
-
 @pytest.fixture(scope="module")
 def tiny_target_dir(tmp_path_factory, model):
     """A folder holding the tiny model and a word-level tokenizer with a chat template."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(["<unk>", "<s>", "</s>", "user", "assistant", ":"] + WORDS)}
-    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    tokenizer.chat_template = "{% for m in messages %}user : {{ m['content'] }} {% endfor %}assistant :"
-    folder = tmp_path_factory.mktemp("tiny_target")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def _questions(path, count, category):
-    text = "\n".join(json.dumps({"question_id": i, "category": category, "turns": [" ".join(WORDS[i:i + 5] * 2)]})
-                     for i in range(count))
-    path.write_text(text)
-    return str(path)
+    return save_tiny_target(tmp_path_factory.mktemp("tiny_target"), model)
 
 
 def test_cli_bench_end_to_end(tiny_target_dir, tmp_path, capsys):
-    q1, q2 = _questions(tmp_path / "one.jsonl", 3, "x"), _questions(tmp_path / "two.jsonl", 2, "y")
+    q1, q2 = write_questions(tmp_path / "one.jsonl", 3, "x"), write_questions(tmp_path / "two.jsonl", 2, "y")
     out = tmp_path / "report.json"
     status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q1, q2, "--num-prompts", "2",
                        "--max-new-tokens", "6", "--seed", "1", "--threads", "1", "--output", str(out),
@@ -246,11 +224,53 @@ def test_cli_bench_end_to_end(tiny_target_dir, tmp_path, capsys):
     assert "| baseline |" in capsys.readouterr().out
 
 
+def test_bundled_mt_bench_questions_ship_with_the_package():
+    from fnmatch import fnmatch
+    from pathlib import Path
+
+    from conftest import MT_BENCH
+    from transformers_poss.bench import bundled_questions
+
+    path = bundled_questions()
+    questions = load_questions([path], selection="first")
+    assert len(questions) == 80 and len({q["category"] for q in questions}) == 8 and questions[0]["file"] == "mt_bench"
+    assert [q["question_id"] for q in load_questions([path], 8)] == [81, 91, 101, 111, 121, 131, 141, 151]  # spread
+    if MT_BENCH.exists():
+        assert path.read_bytes() == MT_BENCH.read_bytes()
+    assert "Apache License 2.0" in (path.parent / "README.md").read_text()  # its source and licence, next to it
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    package = root / "src" / "transformers_poss" / "bench"
+    assert path.resolve() == (package / "data" / "mt_bench.jsonl").resolve()
+    for name in ("data/mt_bench.jsonl", "data/README.md"):  # both go into the wheel
+        assert any(fnmatch(name, pattern) for pattern in patterns["transformers_poss.bench"]), name
+
+
+def test_cli_bench_runs_the_bundled_questions_without_questions(tiny_target_dir, tmp_path, capsys):
+    from transformers_poss.bench import bundled_questions
+
+    out = tmp_path / "report.json"
+    status = cli.main(["bench", "--target", str(tiny_target_dir), "--num-prompts", "2", "--max-new-tokens", "3",
+                       "--no-prompt-lookup", "--no-progress", "--warmup", "0", "--output", str(out)])
+    assert status == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["questions"] == [str(bundled_questions())]
+    baseline = report["methods"]["baseline"]
+    assert baseline["prompts"] == 2 and set(baseline["by_file"]) == {"mt_bench"}
+    assert {row["category"] for row in baseline["per_prompt"]} == {"writing", "roleplay"}
+    err = capsys.readouterr().err
+    assert f"[poss bench] plot: {tmp_path / 'report.speedup.png'}" in err  # the library's log, shown by the command
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    assert "bundled MT-Bench" in " ".join(capsys.readouterr().out.split())
+
+
 def test_cli_bench_with_a_draft_folder(tiny_target_dir, model, tmp_path):
     from helpers import tiny_draft
 
     tiny_draft(model).save_pretrained(tmp_path / "draft")
-    q = _questions(tmp_path / "q.jsonl", 2, "x")
+    q = write_questions(tmp_path / "q.jsonl", 2, "x")
     out = tmp_path / "r.json"
     status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "6",
                        "--draft", f"mine={tmp_path / 'draft'}", "--tree-depth", "2", "--tree-total-tokens", "4",
@@ -268,7 +288,7 @@ def test_cli_bench_int8_target(tiny_target_dir, tmp_path, monkeypatch):
     quantized = []
     original = quantize.apply_quantization
     monkeypatch.setattr(quantize, "apply_quantization", lambda m, mode: quantized.append(mode) or original(m, mode))
-    q = _questions(tmp_path / "q.jsonl", 2, "x")
+    q = write_questions(tmp_path / "q.jsonl", 2, "x")
     out = tmp_path / "r.json"
     status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "6",
                        "--quantize", "int8", "--no-plots", "--no-progress", "--output", str(out)])
@@ -281,7 +301,7 @@ def test_cli_bench_exits_non_zero_on_mismatch(tiny_target_dir, tmp_path, monkeyp
     original = bench_cli.build_methods
     monkeypatch.setattr(bench_cli, "build_methods",
                         lambda args, target: original(args, target) + [broken(target, prompt_index=0, position=0)])
-    q = _questions(tmp_path / "q.jsonl", 2, "x")
+    q = write_questions(tmp_path / "q.jsonl", 2, "x")
     status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "4",
                        "--no-prompt-lookup", "--no-plots", "--no-progress", "--output", str(tmp_path / "r.json")])
     assert status == 1
@@ -292,7 +312,7 @@ def test_cli_bench_sampling_does_not_demand_equality(tiny_target_dir, tmp_path, 
     original = bench_cli.build_methods
     monkeypatch.setattr(bench_cli, "build_methods",
                         lambda args, target: original(args, target) + [broken(target, prompt_index=0, position=0)])
-    q = _questions(tmp_path / "q.jsonl", 2, "x")
+    q = write_questions(tmp_path / "q.jsonl", 2, "x")
     out = tmp_path / "r.json"
     status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "4",
                        "--temperature", "0.8", "--top-p", "0.9", "--no-plots", "--no-progress", "--output", str(out)])
@@ -352,6 +372,7 @@ def test_tree_draft_method_and_sweep(model, prompts, monkeypatch, tmp_path):
     assert (draft.generation_config.tree_depth, draft.generation_config.tree_total_tokens) == own_shape
     shapes = report["sweep"]["shapes"]
     assert [(s["depth"], s["total_tokens"]) for s in shapes] == [(2, 4), (3, 8), (3, "auto")]
+    assert [s["plain_share"] for s in shapes[:2]] == [0.0, 0.0]  # fixed shapes never fall back to plain decoding
     fixed = [s for s in shapes if s["total_tokens"] != "auto"]
     assert report["sweep"]["best"]["poss"]["speedup"] == max(s["speedup"] for s in fixed)
     auto = report["sweep"]["auto_vs_best"]["poss"]
@@ -365,7 +386,7 @@ def test_cli_bench_batch_sizes(tiny_target_dir, model, tmp_path, capsys):
     from helpers import tiny_draft
 
     tiny_draft(model).save_pretrained(tmp_path / "draft")
-    q = _questions(tmp_path / "q.jsonl", 3, "x")
+    q = write_questions(tmp_path / "q.jsonl", 3, "x")
     out = tmp_path / "r.json"
     status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "6",
                        "--draft", f"mine={tmp_path / 'draft'}", "--tree-depth", "2", "--tree-total-tokens", "8", "--tree-top-k", "2",
@@ -379,3 +400,41 @@ def test_cli_bench_batch_sizes(tiny_target_dir, model, tmp_path, capsys):
     assert all(e["tokens_per_s"] > 0 for e in rows.values())
     assert report["methods"]["mine"]["identical_to_baseline"] == 6
     assert "| 2 | mine |" in capsys.readouterr().out
+
+
+def test_plain_decoding_after_a_fallback_is_reported(model, prompts, monkeypatch):
+    """A machine where no tree can pay: the automatic budget falls back after its warm-up rounds, and the report (and
+    the table's "plain %" column) says how much of the method's time and tokens were plain decoding; methods that
+    never fall back report 0 and "-"."""
+    from helpers import tiny_draft
+
+    from transformers_poss.bench.methods import draft_method
+    from transformers_poss.generation import budget as budget_module
+    from transformers_poss.generation.budget import CostProfile
+
+    expensive = CostProfile(key="k", verify_seconds={1: 1.0, 64: 2.0}, draft_context_seconds=50.0,
+                            draft_step_seconds=50.0)
+    monkeypatch.setattr(budget_module, "load_or_measure_profile", lambda *a, **k: expensive)
+    draft = tiny_draft(model)
+    methods = [baseline_method(model), draft_method("auto", model, draft, "tiny", 2, 2, "auto"),
+               draft_method("fixed", model, draft, "tiny", 2, 2, 4)]
+    report = run_report(model, prompts[:2], methods, tokens=12)
+    entry = report["methods"]["auto"]
+    assert entry["identical_to_baseline"] == 2  # lossless across the hand-over
+    plain = entry["plain_decoding"]
+    assert plain["prompts"] == 2 and plain["tokens"] == sum(r["plain_tokens"] for r in entry["per_prompt"])
+    assert plain["tokens"] >= 2 and plain["token_share"] == round(plain["tokens"] / entry["new_tokens"], 4)
+    assert 0 < plain["seconds"] <= entry["seconds"]
+    assert plain["share"] == pytest.approx(plain["seconds"] / entry["seconds"], abs=1e-3)
+    assert plain["seconds"] == entry["time_split"]["seconds"]["plain_decoding"]
+    assert all(r["plain_tokens"] >= 1 and r["plain_decoding_seconds"] > 0 for r in entry["per_prompt"])
+    for name in ("baseline", "fixed"):
+        assert report["methods"][name]["plain_decoding"] == {"seconds": 0.0, "share": 0.0, "tokens": 0,
+                                                             "token_share": 0.0, "prompts": 0}
+    assert report["methods"]["fixed"]["per_prompt"][0]["plain_tokens"] == 0  # tree speculation, never fell back
+    assert report["methods"]["baseline"]["per_prompt"][0]["plain_tokens"] is None  # no budget at all
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+            for line in render(report).splitlines() if line.startswith("| ")}
+    column = rows["method"].index("plain %")
+    assert rows["auto"][column] == f"{plain['share']:.0%}"
+    assert rows["baseline"][column] == rows["fixed"][column] == "-"

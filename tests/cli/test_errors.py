@@ -269,3 +269,29 @@ def test_vocab_corpus_bad_json_line_is_an_error_not_text(tmp_path):
         list(corpus_texts([null]))
 
 
+
+
+def test_commands_show_the_library_log_on_stderr(capsys, monkeypatch):
+    """The library logs (no print); a command shows its messages from info up as `[poss COMMAND] message`, at the
+    level TRANSFORMERS_VERBOSITY names, and replaces its handler when another command runs in the same process."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from transformers_poss.cli.errors import log_to_stderr
+
+    package = logging.getLogger("transformers_poss")
+    monkeypatch.setattr(package, "handlers", list(package.handlers))
+    monkeypatch.setattr(package, "level", package.level)
+    logger = hf_logging.get_logger("transformers_poss.bench.run")
+    monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
+    log_to_stderr("bench")
+    logger.info("plot: x.png")
+    log_to_stderr("tune")
+    logger.info("again")
+    assert capsys.readouterr().err == "[poss bench] plot: x.png\n[poss tune] again\n"  # one handler at a time
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "warning")
+    log_to_stderr("bench")
+    logger.info("hidden")
+    logger.warning("shown")
+    assert capsys.readouterr().err == "[poss bench] shown\n"

@@ -213,3 +213,44 @@ def test_auto_budget_chooses_the_drafting_depth(monkeypatch):
     assert all(d <= max(previous, 1) + 1 for previous, d in zip(stats.tree_depths, stats.tree_depths[1:]))
     assert all(d <= drafted_depth for d, drafted_depth in zip(stats.tree_depths, drafted))
     assert max(drafted) == 4
+
+
+def test_first_measurement_shows_a_progress_bar_over_its_points(tmp_path, monkeypatch, capsys):
+    """The first call measures with a progress bar (transformers' tqdm, one step per measured point) and caches the
+    profile; the next call reads the same profile back without measuring; transformers' switch turns the bar off."""
+    from transformers.utils import logging as hf_logging
+
+    from transformers_poss.generation import budget, cost_profile
+
+    monkeypatch.setenv("POSS_CACHE", str(tmp_path))
+    bars = []
+
+    def hook(factory, args, kwargs):
+        bars.append((factory, kwargs, factory(*args, **kwargs)))
+        return bars[-1][2]
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    hf_logging.set_tqdm_hook(hook)
+    try:
+        target = tiny_llama()
+        draft = tiny_draft(target)
+        sizes = (1, 2, 4)
+        profile = budget.load_or_measure_profile(target, draft, top_k=2, sizes=sizes)
+        again = budget.load_or_measure_profile(target, draft, top_k=2, sizes=sizes)
+        hf_logging.disable_progress_bar()
+        quiet = budget.load_or_measure_profile(target, None, top_k=2, sizes=sizes)
+    finally:
+        hf_logging.set_tqdm_hook(None)
+        (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()
+    path = tmp_path / "costs" / f"{budget.profile_key(target, draft, 2)}.json"
+    assert again == profile and CostProfile.from_json(path.read_text()) == profile  # cached: no second measurement
+    assert set(profile.verify_seconds) == set(sizes) and all(t > 0 for t in profile.verify_seconds.values())
+    assert profile.draft_context_seconds > 0 and profile.draft_step_seconds >= 0 and profile.meta["top_k"] == 2
+    assert set(quiet.verify_seconds) == set(sizes) and quiet.draft_context_seconds == 0.0
+    (factory, kwargs, bar), (quiet_factory, _, _) = bars  # one bar per measurement, none for the cached read
+    assert kwargs["desc"] == f"measuring verification cost t(n) (once, cached at {path})"
+    points = (cost_profile.VERIFY_REPEATS + 1) * len(sizes) + cost_profile.DRAFT_POINTS
+    assert bar.total == points and bar.n == points
+    assert quiet_factory is hf_logging.EmptyTqdm  # transformers' progress-bar switch is honoured
+    assert "measuring verification cost t(n)" in capsys.readouterr().err

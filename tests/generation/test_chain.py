@@ -412,24 +412,19 @@ def test_tune_measures_the_chosen_chain_as_a_chain(monkeypatch):
 
 def test_cli_tune_reports_chains(tmp_path, monkeypatch, capsys):
     """`poss tune` end to end on a tiny target: chains among the candidates, the winning kind printed and saved."""
+    import importlib.util
     import json
 
-    import sys
-    from pathlib import Path
-
-    from helpers import tiny_draft, tiny_llama
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # also when run without tests/bench
-    from test_bench import WORDS, _questions, tiny_target_dir  # noqa: F401 - fixture source
+    from helpers import save_tiny_target, tiny_draft, tiny_llama, write_questions
 
     from transformers_poss import cli
 
     monkeypatch.setenv("POSS_CACHE", str(tmp_path / "cache"))
     target = tiny_llama(vocab_size=128, hidden_size=32)
     target.generation_config.eos_token_id = None
-    folder = tiny_target_dir.__wrapped__(_Factory(tmp_path), target)
+    folder = save_tiny_target(tmp_path / "tiny_target", target)
     tiny_draft(target).save_pretrained(tmp_path / "draft")
-    q = _questions(tmp_path / "q.jsonl", 1, "x")
+    q = write_questions(tmp_path / "q.jsonl", 1, "x")
     out = tmp_path / "tune.json"
     status = cli.main(["tune", "--target", str(folder), "--draft", str(tmp_path / "draft"), "--questions", q,
                        "--num-prompts", "1", "--max-new-tokens", "6", "--top-k", "3", "--output", str(out), "--save"])
@@ -441,18 +436,13 @@ def test_cli_tune_reports_chains(tmp_path, monkeypatch, capsys):
     assert f"-> a {report['chosen']['kind']} wins" in text and "best chain: depth" in text  # top-8 table may hold no chain
     saved = json.loads((tmp_path / "draft" / "generation_config.json").read_text())
     assert saved["tree_top_k"] == report["chosen"]["top_k"] and saved["tree_depth"] == report["chosen"]["depth"]
-
-
-class _Factory:
-    """Stands in for pytest's ``tmp_path_factory`` when calling the ``tiny_target_dir`` fixture function."""
-
-    def __init__(self, root):
-        self.root = root
-
-    def mktemp(self, name):
-        path = self.root / name
-        path.mkdir()
-        return path
+    if importlib.util.find_spec("matplotlib"):  # the cost curve and the replayed shapes, next to the report
+        assert (tmp_path / "tune.cost_curve.png").read_bytes()[:4] == b"\x89PNG"
+        assert f"cost curve plot: {tmp_path / 'tune.cost_curve.png'}" in text
+    quiet = tmp_path / "quiet" / "tune.json"
+    assert cli.main(["tune", "--target", str(folder), "--draft", str(tmp_path / "draft"), "--questions", q,
+                     "--num-prompts", "1", "--max-new-tokens", "4", "--output", str(quiet), "--no-plots"]) == 0
+    assert [p.name for p in quiet.parent.iterdir()] == ["tune.json"]
 
 
 # ---------------------------------------------------------------- real target (slow, marked integration)

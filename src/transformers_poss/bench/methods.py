@@ -64,6 +64,9 @@ class MethodResult:
         time_split: seconds per phase as the method reports them (``drafting``, ``verification``, ...); time not
             covered is reported as ``other``.
         position_counts: ``(accepted, proposed)`` per draft position, pooled exactly across prompts when given.
+        plain_tokens: tokens produced by plain decoding after a fallback of the automatic budget (0: none; None:
+            the method has no fallback).
+        plain_seconds: seconds of that plain decoding.
     """
 
     tokens: list[int]
@@ -72,6 +75,8 @@ class MethodResult:
     position_acceptance: list[float] | None = None
     time_split: dict[str, float] | None = None
     position_counts: tuple[list[int], list[int]] | None = None
+    plain_tokens: int | None = None
+    plain_seconds: float | None = None
 
 
 @dataclass
@@ -150,7 +155,10 @@ def result_from_generate(output, prompt_length: int, rounds: list[tuple[int, int
             counts = (_as_list(acceptance.position_accepted), _as_list(acceptance.position_proposed))
         depths = _as_list(getattr(acceptance, "tree_depths", None))  # per round, 0 for plain steps
         depths = depths if depths and accepted and len(depths) == len(accepted) else None
-        return MethodResult(tokens, accepted, depths, positions, _time_split(acceptance), counts)
+        split = _time_split(acceptance)
+        plain_tokens = getattr(acceptance, "plain_steps", None)
+        plain_seconds = (split or {}).get("plain_decoding", 0.0) if plain_tokens is not None else None
+        return MethodResult(tokens, accepted, depths, positions, split, counts, plain_tokens, plain_seconds)
     if rounds:
         return MethodResult(tokens, [m + 1 for _, m in rounds], [c for c, _ in rounds])
     return MethodResult(tokens)

@@ -51,7 +51,8 @@ class PromptRecord:
             "identical_to_baseline": self.identical, "first_mismatch": self.first_mismatch,
             "rounds": len(lengths), "mean_acceptance_length": _mean(lengths),
             "accepted_lengths": lengths if self.result.accepted_lengths is not None else None,
-            "time_split": self.result.time_split, "peak_memory_mb": self.peak_memory_mb,
+            "time_split": self.result.time_split, "plain_tokens": self.result.plain_tokens,
+            "plain_decoding_seconds": _rounded(self.result.plain_seconds), "peak_memory_mb": self.peak_memory_mb,
             "memory_delta_mb": self.memory_delta_mb,
         }
 
@@ -59,6 +60,10 @@ class PromptRecord:
 def _mean(values) -> float | None:
     values = list(values)
     return round(sum(values) / len(values), 4) if values else None
+
+
+def _rounded(value, digits: int = 6) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def _median(values) -> float | None:
@@ -149,6 +154,20 @@ def time_split(records: list[PromptRecord]) -> dict | None:
             "share": {k: round(v / total, 4) if total > 0 else None for k, v in seconds.items()}}
 
 
+def plain_decoding(records: list[PromptRecord]) -> dict:
+    """How much of a method's run was plain decoding after a fallback of the automatic budget (summed over prompts).
+
+    ``seconds`` / ``tokens`` of that plain decoding, ``share`` of the method's wall-clock seconds, ``token_share`` of
+    its new tokens, ``prompts`` that fell back. All 0 for methods that never fall back (no automatic budget).
+    """
+    seconds = sum(r.result.plain_seconds or 0.0 for r in records)
+    tokens = sum(r.result.plain_tokens or 0 for r in records)
+    total_seconds, total_tokens = sum(r.seconds for r in records), sum(r.new_tokens for r in records)
+    return {"seconds": round(seconds, 4), "share": round(seconds / total_seconds, 4) if total_seconds > 0 else 0.0,
+            "tokens": tokens, "token_share": round(tokens / total_tokens, 4) if total_tokens else 0.0,
+            "prompts": sum(1 for r in records if r.result.plain_tokens)}
+
+
 def summarize(records: list[PromptRecord], baseline: list[PromptRecord]) -> dict:
     """Speed, speed-up, acceptance and equality over a set of prompts (baseline = the same prompts' baseline runs)."""
     tokens = sum(r.new_tokens for r in records)
@@ -166,6 +185,7 @@ def summarize(records: list[PromptRecord], baseline: list[PromptRecord]) -> dict
         "mean_acceptance_length": _mean(lengths),
         "mean_draft_depth": _mean(d for r in records for d in (r.result.drafted_lengths or ()) if d > 0),
         "identical_to_baseline": sum(1 for r in records if r.identical),
+        "plain_decoding": plain_decoding(records),
     }
 
 
@@ -202,16 +222,22 @@ def _fmt(value, pattern="{:.2f}") -> str:
     return "-" if value is None else pattern.format(value)
 
 
+def plain_percent(share: float | None) -> str:
+    """The "plain %" cell: share of a method's wall-clock time in plain decoding after a fallback, "-" for none."""
+    return "-" if not share or share <= 0 else f"{share:.0%}"
+
+
 def markdown_table(methods: dict) -> str:
     """Markdown summary of a report's ``methods`` section, one row per method."""
     lines = ["| method | tok/s median | tok/s aggregate | speed-up median | speed-up aggregate | mean acc. length "
-             "| identical | peak MB (+ per call) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| plain % | identical | peak MB (+ per call) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, m in methods.items():
+        plain = plain_percent((m.get("plain_decoding") or {}).get("share"))
         lines.append(
             f"| {name} | {_fmt(m['tokens_per_s']['median'])} | {_fmt(m['tokens_per_s']['aggregate'])} "
             f"| {_fmt(m['speedup']['median'], '{:.2f}x')} | {_fmt(m['speedup']['aggregate'], '{:.2f}x')} "
-            f"| {_fmt(m['mean_acceptance_length'])} | {m['identical_to_baseline']}/{m['prompts']} "
+            f"| {_fmt(m['mean_acceptance_length'])} | {plain} | {m['identical_to_baseline']}/{m['prompts']} "
             f"| {_fmt(m.get('peak_memory_mb'), '{:.0f}')} (+{_fmt(m.get('peak_memory_delta_mb'), '{:.0f}')}) |")
     return "\n".join(lines)
 

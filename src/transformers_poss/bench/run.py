@@ -16,25 +16,31 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-from transformers.utils import logging
-
 import torch
+from transformers.utils import logging
 
 from .methods import (GenerationSettings, Method, Prompt, assistant_method, baseline_method, draft_method,
                       prompt_lookup_method)
 from .metrics import (ACCEPTANCE_CONVENTION, PromptRecord, category_table, compare_with_baseline, markdown_table,
-                      method_report)
+                      method_report, plain_percent)
 from .runtime import PeakMemory, environment, synchronize
 
 
-# ----------------------------------------------------------------------------------------------------------- prompts
-
 logger = logging.get_logger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------------------- prompts
+def bundled_questions() -> Path:
+    """The MT-Bench questions shipped with the package (80 questions, 10 per category; FastChat's copy, Apache-2.0,
+    see ``bench/data/README.md``): what `poss bench` runs on without ``--questions``."""
+    from importlib.resources import files
+
+    return Path(str(files(__package__) / "data" / "mt_bench.jsonl"))
+
 
 def load_questions(paths, num_prompts: int | None = None, selection: str = "spread") -> list[dict]:
     """Read question files (one JSON object a line, the prompt in ``turns[0]``).
@@ -153,16 +159,15 @@ def run_methods(prompts: list[Prompt], methods: list[Method], settings: Generati
 
     The method order rotates by one per prompt so no method is always first (or always after another). The method
     named ``baseline`` is the reference for equality and speed-up. Each call starts from the same seed.
+    Progress: transformers' tqdm (off with ``progress=False`` or transformers' progress-bar switch).
     """
-    from tqdm.auto import tqdm
-
     names = [m.name for m in methods]
     if "baseline" not in names or len(set(names)) != len(names):
         raise ValueError(f"method names must be unique and include 'baseline', got {names}")
     if warmup:
         warm_up(prompts[:warmup], methods, settings)
     records = {name: [] for name in names}
-    bar = tqdm(total=len(prompts) * len(methods), desc="poss bench", unit="run", disable=not progress)
+    bar = logging.tqdm(total=len(prompts) * len(methods), desc="poss bench", unit="run", disable=not progress)
     for index, prompt in enumerate(prompts):
         shift = index % len(methods)
         for method in methods[shift:] + methods[:shift]:
@@ -202,7 +207,8 @@ def sweep_summary(methods: dict) -> dict:
                      "total_tokens": tree["total_tokens"], "top_k": tree["top_k"],
                      "speedup": entry["speedup"]["aggregate"], "speedup_median": entry["speedup"]["median"],
                      "mean_acceptance_length": entry["mean_acceptance_length"],
-                     "mean_draft_depth": entry.get("mean_draft_depth")})
+                     "mean_draft_depth": entry.get("mean_draft_depth"),
+                     "plain_share": entry["plain_decoding"]["share"]})
     best, auto = {}, {}
     for row in rows:
         if row["speedup"] is None:
@@ -237,10 +243,12 @@ def render(report: dict) -> str:
     if len(report["methods"]["baseline"]["by_file"]) > 1:
         parts += ["", category_table(report["methods"], "by_file")]
     if "sweep" in report:
-        parts += ["", "| draft | depth | top-k | total tokens | speed-up | mean acc. length | mean draft depth |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+        parts += ["", "| draft | depth | top-k | total tokens | speed-up | mean acc. length | mean draft depth "
+                  "| plain % |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         parts += [f"| {r['draft']} | {r['depth']} | {r['top_k']} | {r['total_tokens']} | {r['speedup']:.2f}x "
-                  f"| {r['mean_acceptance_length']} | {r.get('mean_draft_depth')} |" for r in report["sweep"]["shapes"]]
+                  f"| {r['mean_acceptance_length']} | {r.get('mean_draft_depth')} "
+                  f"| {plain_percent(r.get('plain_share'))} |"
+                  for r in report["sweep"]["shapes"]]
         for draft, row in report["sweep"].get("auto_vs_best", {}).items():
             parts.append(f"\n{draft}: auto {row['auto_speedup']:.2f}x vs best fixed shape {row['best']} "
                          f"{row['best_speedup']:.2f}x (ratio {row['ratio']:.2f})")
@@ -259,16 +267,15 @@ def near_tie_agreement(entry: dict) -> dict:
             "mean_tokens_before_first_difference": round(sum(before) / len(before), 2) if before else None}
 
 
-def finish(report: dict, output: str | None, plots: bool = True, greedy: bool = True, stream=None,
-           exact: bool = True) -> int:
-    """Write the report (and plots), print the table, and return the exit status.
+def finish(report: dict, output: str | None, plots: bool = True, greedy: bool = True, exact: bool = True) -> int:
+    """Write the report (and plots), log what is wrong with the outputs, and return the exit status.
 
-    ``exact``: the setting is bit-exact (float32, the int8 exact path), so a greedy mismatch is a failure (status 1).
-    Otherwise (bfloat16 / float16) outputs are identical only up to floating-point near-ties: each method's entry
-    gets ``near_tie_agreement`` (share of identical outputs, mean tokens before the first difference) and the
-    status stays 0.
+    ``exact``: the setting is bit-exact (float32, the int8 exact path), so a greedy mismatch is a failure (status 1,
+    logged as an error). Otherwise (bfloat16 / float16) outputs are identical only up to floating-point near-ties:
+    each method's entry gets ``near_tie_agreement`` (share of identical outputs, mean tokens before the first
+    difference), logged as a warning, and the status stays 0. The Markdown table is `render(report)`; the command
+    prints it.
     """
-    stream = stream or sys.stdout
     report["settings"]["bit_exact"] = exact
     if greedy and not exact:
         for entry in report["methods"].values():
@@ -276,28 +283,29 @@ def finish(report: dict, output: str | None, plots: bool = True, greedy: bool = 
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(report, indent=2, default=str))
+        logger.info("report: %s", output)
         if plots:
             from .plots import save_plots
 
             for path in save_plots(report, output):
-                logger.warning("plot: %s", path)
-    print(render(report), file=stream)
+                logger.info("plot: %s", path)
     problems = mismatch_report(report)
     if greedy and problems and not exact:
-        print("\nNot bit-exact in this setting (bfloat16 / float16: identical only up to floating-point near-ties; "
-              "use float32 or --quantize int8 for bit-exact output):"
-              + "".join(f"\n  {name}: {entry['near_tie_agreement']['identical_share']:.0%} identical, "
-                        f"{entry['near_tie_agreement']['mean_tokens_before_first_difference']} tokens on average "
-                        "before the first difference" for name, entry in report["methods"].items()), file=sys.stderr)
+        logger.warning(
+            "Not bit-exact in this setting (bfloat16 / float16: identical only up to floating-point near-ties; "
+            "use float32 or --quantize int8 for bit-exact output):"
+            + "".join(f"\n  {name}: {entry['near_tie_agreement']['identical_share']:.0%} identical, "
+                      f"{entry['near_tie_agreement']['mean_tokens_before_first_difference']} tokens on average "
+                      "before the first difference" for name, entry in report["methods"].items()))
         return 0
     if greedy and problems:
         banner = "!" * 100
-        print(f"\n{banner}\nGREEDY OUTPUT MISMATCH: lossless speculative decoding must reproduce the baseline exactly."
-              + "".join(f"\n  {line}" for line in problems) + f"\n{banner}", file=sys.stderr)
+        logger.error(f"{banner}\nGREEDY OUTPUT MISMATCH: lossless speculative decoding must reproduce the baseline "
+                     "exactly." + "".join(f"\n  {line}" for line in problems) + f"\n{banner}")
         return 1
     return 0
 
 
 __all__ = ["GenerationSettings", "Method", "Prompt", "assistant_method", "baseline_method", "build_report",
-           "draft_method", "encode_prompt", "finish", "load_questions", "make_prompts", "prompt_lookup_method",
-           "run_methods", "timed_run"]
+           "bundled_questions", "draft_method", "encode_prompt", "finish", "load_questions", "make_prompts",
+           "prompt_lookup_method", "run_methods", "timed_run"]

@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module, imported only when that subcommand runs. A module provides
 ``add_arguments(parser)`` and ``run(args) -> int`` (the exit status), or ``main(argv) -> int`` when it parses its
-own arguments; adding a subcommand is one entry in `COMMANDS`.
+own arguments; adding a subcommand is one entry in `COMMANDS`. Subcommands print their results on stdout; the
+library's log messages go to stderr as ``[poss COMMAND] message`` (`errors.log_to_stderr`).
 """
 
 from __future__ import annotations
@@ -51,12 +52,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: ``poss COMMAND [options]``."""
-    from .errors import run_reporting_errors, short_warnings, take_debug_flag
+    from .errors import log_to_stderr, run_reporting_errors, short_warnings, take_debug_flag
 
     argv = list(sys.argv[1:] if argv is None else argv)
     argv, debug = take_debug_flag(argv)
     short_warnings(debug)
     chosen = _chosen(argv)
+    if chosen in COMMANDS:
+        log_to_stderr(chosen)  # the library's log messages, from info up (TRANSFORMERS_VERBOSITY sets the level)
     if chosen in COMMANDS and argv and argv[0] == chosen:
         module = importlib.import_module(COMMANDS[chosen][0])
         if hasattr(module, "main"):  # a subcommand with a parser of its own (`poss train`: HfArgumentParser)

@@ -10,7 +10,8 @@ import torch
 
 from ..bench.methods import (GenerationSettings, assistant_method, baseline_method, draft_method,
                              prompt_lookup_method)
-from ..bench.run import build_report, finish, load_questions, make_prompts, run_methods
+from ..bench.run import (build_report, bundled_questions, finish, load_questions, make_prompts, render,
+                         run_methods)
 from ..bench.runtime import environment
 from ..checks import check_device, check_writable, require_local_path
 from .errors import (int_list, non_negative_int, positive_int, probability, temperature, tree_total_tokens,
@@ -44,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="PosS / EAGLE / HASS draft (folder or Hub id); repeat to compare several in one run")
     io.add_argument("--assistant", action="append", default=[], metavar="[LABEL=]PATH",
                     help="small causal LM sharing the target's tokenizer, run as a chain assistant")
-    io.add_argument("--questions", nargs="+", required=True, metavar="FILE",
-                    help="question files, one JSON object a line, the prompt in turns[0]")
+    io.add_argument("--questions", nargs="+", default=None, metavar="FILE",
+                    help="question files, one JSON object a line, the prompt in turns[0] (default: the bundled "
+                         "MT-Bench questions, 80 in 8 categories)")
     io.add_argument("--num-prompts", type=positive_int, default=10, help="prompts per question file (default 10)")
     io.add_argument("--selection", choices=["spread", "first"], default="spread",
                     help="'spread': round-robin over categories (default); 'first': file order")
@@ -165,6 +167,7 @@ def run(args) -> int:
 
     from ..generation.validation import is_bit_exact
 
+    args.questions = args.questions or [str(bundled_questions())]
     questions = load_questions(args.questions, args.num_prompts, args.selection)  # checked before any model loads
     check_arguments(args)
     if args.threads:
@@ -184,6 +187,7 @@ def run(args) -> int:
     records = run_methods(prompts, methods, settings, seed=args.seed, warmup=args.warmup, device=device,
                           progress=not args.no_progress)
     report = build_report(records, methods, settings_record(args, chat, target), environment(device))
+    print(render(report))
     return finish(report, args.output, plots=not args.no_plots, greedy=settings.greedy, exact=is_bit_exact(target))
 
 

@@ -7,6 +7,7 @@ bad numbers while the command line is parsed, before any model is loaded.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -83,6 +84,39 @@ def short_warnings(debug: bool = False) -> None:
         print(f"poss: warning: {message}", file=file or sys.stderr)
 
     warnings.showwarning = show
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A stream handler writing to whatever ``sys.stderr`` is when a message is logged (not when it was made)."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):  # StreamHandler.__init__ / setStream assign it; the current sys.stderr is always used
+        pass
+
+
+def log_to_stderr(command: str) -> None:
+    """Show the package's log messages on stderr as ``[poss COMMAND] message``.
+
+    The library logs through `logging` (``transformers.utils.logging.get_logger``) and prints nothing itself; the
+    command shows its messages from level info up, or from the level ``TRANSFORMERS_VERBOSITY`` names (``debug``,
+    ``info``, ``warning``, ``error``, ``critical``), as transformers does for its own. Calling it again (another
+    command in the same process) replaces the handler it installed.
+    """
+    package = logging.getLogger("transformers_poss")
+    for handler in [h for h in package.handlers if isinstance(h, _StderrHandler)]:
+        package.removeHandler(handler)
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter(f"[poss {command}] %(message)s"))
+    package.addHandler(handler)
+    level = os.environ.get("TRANSFORMERS_VERBOSITY", "info").strip().upper()
+    package.setLevel(level if level in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL") else "INFO")
 
 
 # ---------------------------------------------------------------------------------------------------- arg types

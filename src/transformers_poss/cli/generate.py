@@ -1,4 +1,9 @@
-"""`poss generate`: answer one prompt with a target model, optionally with PosS tree speculation."""
+"""`poss generate`: answer one prompt with a target model, optionally with PosS tree speculation.
+
+The answer streams to stdout as it is generated (transformers' `TextStreamer`: with a draft, each round's accepted
+tokens at once); ``--no-stream`` prints it when generation is done. Either way the text is the decoded new tokens,
+and generation is the same call (a streamer does not change what is generated). Speed and acceptance go to stderr.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quantize", choices=["none", "int8"], default="none",
                         help="int8: dynamic int8 weights for the target (CPU only)")
     parser.add_argument("--quiet", action="store_true", help="print only the generated text")
+    parser.add_argument("--no-stream", action="store_true",
+                        help="print the answer when generation is done instead of streaming it as it is generated")
 
 
 def run(args) -> int:
@@ -55,6 +62,10 @@ def run(args) -> int:
     kwargs = {"input_ids": input_ids, "attention_mask": mask, "return_dict_in_generate": True,
               **settings.generate_kwargs()}
     draft = quantized(load_draft(args.draft, target), args.quantize) if args.draft else None
+    if not args.no_stream:
+        from transformers import TextStreamer
+
+        kwargs["streamer"] = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     torch.manual_seed(args.seed)
     start = time.perf_counter()
     if draft is None:
@@ -64,7 +75,8 @@ def run(args) -> int:
             output = target.generate(**kwargs, assistant_model=draft)
     seconds = time.perf_counter() - start
     new_tokens = output.sequences[0, input_ids.shape[1]:]
-    print(tokenizer.decode(new_tokens, skip_special_tokens=True))
+    if args.no_stream:  # else the streamer has printed it, ending with a newline
+        print(tokenizer.decode(new_tokens, skip_special_tokens=True))
     if not args.quiet:
         print(_stats(len(new_tokens), seconds, getattr(output, "acceptance", None)), file=sys.stderr)
     return 0

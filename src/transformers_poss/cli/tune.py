@@ -7,6 +7,8 @@
    measured top-k 1 step times); picks the shape with the highest predicted speed-up and says whether a chain or a
    tree won; speculation that would not pay is reported as such.
 4. Measures the chosen shape against plain decoding, interleaved prompt by prompt, and prints predicted vs measured.
+5. Draws the cost curve t(n) and the predicted speed-up of every shape (the chosen one marked) as a PNG next to the
+   ``--output`` report (``<stem>.cost_curve.png``; ``poss-tune.cost_curve.png`` without ``--output``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--refresh", action="store_true", help="measure the cost curve again")
     parser.add_argument("--save", action="store_true", help="write the chosen shape into the draft folder")
     parser.add_argument("--output", default=None, help="write the tuning report (JSON) here")
+    parser.add_argument("--no-plots", action="store_true",
+                        help="do not draw the cost curve (<output stem>.cost_curve.png, or poss-tune.cost_curve.png)")
 
 
 def _prompts(args, tokenizer, chat):
@@ -68,8 +72,8 @@ def check_arguments(args) -> None:
     if args.save and not os.path.isdir(args.draft):
         raise ValueError(f"--save writes the chosen shape into the draft folder, but {args.draft} is not a local "
                          "folder.")
-    if args.output:
-        check_writable(args.output)
+    if args.output or not args.no_plots:  # the plot goes next to the report (or poss-tune.cost_curve.png here)
+        check_writable(args.output or "poss-tune.json")
 
 
 def record_rounds(target, draft, prompts, max_new_tokens, depth, top_k, total):
@@ -147,7 +151,7 @@ def run(args) -> int:
     draft = quantized(load_draft(args.draft, target), args.quantize)
     top_k = args.top_k or draft.generation_config.tree_top_k
     prompts = _prompts(args, tokenizer, uses_chat_template(args.target, tokenizer))
-    profile = load_or_measure_profile(target, draft, top_k=top_k, refresh=args.refresh, verbose=True)
+    profile = load_or_measure_profile(target, draft, top_k=top_k, refresh=args.refresh)
     print("verification cost t(n)/t(1): " + ", ".join(f"{n}: {r:.2f}" for n, r in profile.curve().items()))
     print(f"t(1) = {profile.verify(1) * 1000:.1f} ms; draft context step {profile.draft_context_seconds * 1000:.1f} ms,"
           f" further step {profile.draft_step_seconds * 1000:.1f} ms")
@@ -172,8 +176,8 @@ def run(args) -> int:
     print(f"best chain: depth {best_chain['depth']} at {best_chain['predicted_speedup']:.2f}x; best tree: "
           + (f"depth {best_tree['depth']}, {best_tree['total_tokens']} nodes at {best_tree['predicted_speedup']:.2f}x"
              if best_tree else "none (top-k 1)") + f" -> a {best['kind']} wins")
-    report = {"profile": json.loads(profile.to_json()), "chain_profile": json.loads(chain_profile.to_json()),
-              "candidates": results, "chosen": best}
+    report = {"target": args.target, "draft": args.draft, "profile": json.loads(profile.to_json()),
+              "chain_profile": json.loads(chain_profile.to_json()), "candidates": results, "chosen": best}
     if best["predicted_speedup"] < 1.0:
         print(f"\nNo shape (tree or chain) is predicted to beat plain decoding here "
               f"(best {best['predicted_speedup']:.2f}x): "
@@ -190,6 +194,13 @@ def run(args) -> int:
         draft.generation_config.save_pretrained(args.draft)
         print(f"saved the shape to {args.draft}/generation_config.json")
     if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w", encoding="utf-8") as fh:
             json.dump(report, fh, indent=1)
+    if not args.no_plots:
+        from ..bench.plots import save_tune_plot
+
+        path = save_tune_plot(report, args.output or "poss-tune.json")
+        if path is not None:
+            print(f"cost curve plot: {path}")
     return 0

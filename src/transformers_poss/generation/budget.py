@@ -3,8 +3,8 @@
 The best tree is a property of the hardware: on a GPU a 60-node verification costs about as much as one token, on a
 CPU the cost grows with the number of nodes. This module
 
-1. measures the target's forward time ``t(n)`` for ``n`` tree nodes and the draft's step times once per
-   model / device / dtype / threads, and caches the profile on disk ([`CostProfile`], [`load_or_measure_profile`]);
+1. reads the machine's cost profile: the target's forward time ``t(n)`` for ``n`` tree nodes and the draft's step
+   times, measured once and cached (`cost_profile`: [`CostProfile`], [`load_or_measure_profile`], re-exported here);
 2. picks, every round, which of the drafted nodes to verify and how deep to draft ([`TreeBudget`]): the draft's
    cumulative probabilities, calibrated by the acceptance actually observed, give the expected accepted tokens of the
    best ``n - 1`` nodes no deeper than ``d``, and ``(d, n)`` maximises expected tokens per second (drafting time
@@ -15,205 +15,12 @@ CPU the cost grows with the number of nodes. This module
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import statistics
-import time
-import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from transformers.utils import logging
-
-from .._transformers_compat import attn_implementation
-
-DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-
-
-# ---------------------------------------------------------------------------------------------------- cost profile
-
-logger = logging.get_logger(__name__)
-
-@dataclass
-class CostProfile:
-    """Measured costs (seconds) on one machine.
-
-    Attributes:
-        key: identifies model, device, dtype, quantization and threads.
-        verify_seconds: target forward time for ``n`` new tokens (tree nodes), keyed by ``n`` (as str in JSON).
-        draft_context_seconds: a draft context step over a few new pairs, including its top-k.
-        draft_step_seconds: one further draft step (frontier of ``top_k`` nodes), including its top-k.
-    """
-
-    key: str
-    verify_seconds: dict[int, float]
-    draft_context_seconds: float = 0.0
-    draft_step_seconds: float = 0.0
-    meta: dict = field(default_factory=dict)
-
-    def verify(self, n: int) -> float:
-        """t(n), linearly interpolated between measured sizes (extrapolated from the last two beyond them)."""
-        sizes = sorted(self.verify_seconds)
-        if n in self.verify_seconds:
-            return self.verify_seconds[n]
-        if n <= sizes[0]:
-            return self.verify_seconds[sizes[0]]
-        lo = max((s for s in sizes if s < n), default=sizes[-2])
-        hi = min((s for s in sizes if s > n), default=sizes[-1])
-        if lo == hi:
-            lo = sizes[-2]
-        t_lo, t_hi = self.verify_seconds[lo], self.verify_seconds[hi]
-        return t_lo + (t_hi - t_lo) * (n - lo) / (hi - lo)
-
-    def draft(self, depth: int) -> float:
-        """Drafting time of a tree of ``depth``."""
-        return self.draft_context_seconds + max(depth - 1, 0) * self.draft_step_seconds
-
-    def curve(self) -> dict[int, float]:
-        """t(n) / t(1) for every measured n."""
-        base = self.verify(1)
-        return {n: self.verify_seconds[n] / base for n in sorted(self.verify_seconds)}
-
-    def to_json(self) -> str:
-        data = asdict(self)
-        data["verify_seconds"] = {str(k): v for k, v in self.verify_seconds.items()}
-        return json.dumps(data, indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> "CostProfile":
-        data = json.loads(text)
-        data["verify_seconds"] = {int(k): float(v) for k, v in data["verify_seconds"].items()}
-        return cls(**data)
-
-
-def usable_profile(profile: CostProfile) -> CostProfile:
-    """``profile`` if its times can drive a budget, else a ValueError saying what is wrong (a corrupt cache file)."""
-    import math
-
-    times = profile.verify_seconds
-    if not isinstance(times, dict) or 1 not in times or len(times) < 2:
-        raise ValueError("verification times need n = 1 and at least one larger size")
-    if not all(isinstance(t, float) and math.isfinite(t) and t > 0 for t in times.values()):
-        raise ValueError("verification times must be positive seconds")
-    for name in ("draft_context_seconds", "draft_step_seconds"):
-        value = getattr(profile, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name} must be seconds >= 0")
-    return profile
-
-
-def profile_key(target, draft=None, top_k: int | None = None) -> str:
-    """A key for the cache: model identity, device, dtype, quantization, threads, torch version."""
-    config = target.config.get_text_config()
-    head = target.get_output_embeddings()
-    parts = [
-        getattr(target.config, "_name_or_path", "") or "",
-        config.model_type,
-        str(config.hidden_size),
-        str(getattr(config, "num_hidden_layers", "")),
-        str(config.vocab_size),
-        str(target.dtype),
-        str(next(target.parameters()).device),
-        str(getattr(target, "_poss_quantized", None)),
-        str(torch.get_num_threads()),
-        torch.__version__,
-        type(head).__name__,
-        str(attn_implementation(config)),
-    ]
-    if draft is not None:
-        parts += [str(draft.config.num_specialists), str(draft.config.draft_vocab_size), str(top_k),
-                  str(getattr(draft, "_poss_quantized", None))]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
-
-
-def _timed(fn, repeats: int) -> float:
-    values = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        values.append(time.perf_counter() - start)
-    return statistics.median(values)
-
-
-@torch.no_grad()
-def measure_verify_seconds(target, sizes=DEFAULT_SIZES, context_length: int = 128, repeats: int = 5) -> dict[int, float]:
-    """Median time of one target forward over ``n`` new tokens (logits of all of them) on a ``context_length`` cache.
-
-    Sizes are interleaved within each repeat so that machine drift hits all of them alike.
-    """
-    from transformers import DynamicCache
-
-    device = target.get_input_embeddings().weight.device
-    vocab = target.config.get_text_config().vocab_size
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab, (1, context_length), generator=generator).to(device)
-    cache = DynamicCache(config=target.config.get_text_config(decoder=True))
-    target(input_ids=prompt, cache=cache, use_cache=True)
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    for _ in range(repeats + 1):  # first pass warms up
-        for n in sizes:
-            ids = torch.randint(0, vocab, (1, n), generator=generator).to(device)
-            positions = torch.arange(context_length, context_length + n, device=device)[None]
-            start = time.perf_counter()
-            target(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=0)
-            times[n].append(time.perf_counter() - start)
-            cache.crop(-n)
-    return {n: statistics.median(v[1:]) for n, v in times.items()}
-
-
-@torch.no_grad()
-def measure_draft_seconds(draft, top_k: int, context_length: int = 128, repeats: int = 5) -> tuple[float, float]:
-    """(context step, further step) drafting times: trees of depth 1 and 3 after a 2-pair context update."""
-    from ..speculation.drafter import PosSProposer
-
-    device = draft.fc.weight.device if isinstance(getattr(draft.fc, "weight", None), torch.Tensor) else torch.device("cpu")
-    hidden = draft.config.hidden_size
-    generator = torch.Generator().manual_seed(0)
-
-    def run(depth):
-        proposer = PosSProposer(draft, depth=depth, top_k=top_k, total_tokens=depth + 1)  # all `depth` levels drafted
-        ids = torch.randint(0, draft.config.vocab_size, (1, context_length), generator=generator).to(device)
-        proposer.propose(ids, torch.randn(1, context_length, hidden, generator=generator).to(device))
-        new_ids, new_feats = ids[:, :2], torch.randn(1, 2, hidden, generator=generator).to(device)
-        return _timed(lambda: proposer.propose(new_ids, new_feats), repeats)
-
-    run(1)  # warm-up
-    one, three = run(1), run(3)
-    return one, max((three - one) / 2, 0.0)
-
-
-def cache_dir() -> str:
-    from ..targets.embedded import cache_root
-
-    path = os.path.join(str(cache_root()), "costs")
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
-def load_or_measure_profile(target, draft=None, top_k: int = 10, sizes=DEFAULT_SIZES, refresh: bool = False,
-                            verbose: bool = False) -> CostProfile:
-    """The cached cost profile of ``target`` (+ ``draft``) on this machine, measuring it on first use (seconds)."""
-    key = profile_key(target, draft, top_k)
-    path = os.path.join(cache_dir(), f"{key}.json")
-    if not refresh and os.path.exists(path):
-        try:
-            with open(path, encoding="utf-8") as fh:
-                return usable_profile(CostProfile.from_json(fh.read()))
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:  # unreadable: measure again
-            warnings.warn(f"The cached cost profile {path} is unusable ({error}); measuring it again.", stacklevel=2)
-    if verbose:
-        logger.warning("measuring the verification cost curve t(n) on this machine (once; cached) ...")
-    verify = measure_verify_seconds(target, sizes)
-    context, step = measure_draft_seconds(draft, top_k) if draft is not None else (0.0, 0.0)
-    profile = CostProfile(key=key, verify_seconds=verify, draft_context_seconds=context, draft_step_seconds=step,
-                          meta={"threads": torch.get_num_threads(), "top_k": top_k})
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(profile.to_json())
-    os.replace(tmp, path)
-    return profile
+from .cost_profile import (DEFAULT_SIZES, CostProfile, cache_dir, load_or_measure_profile, measure_draft_seconds,
+                           measure_verify_seconds, profile_key, usable_profile)
 
 
 # ---------------------------------------------------------------------------------------------------- per round
@@ -415,3 +222,8 @@ def simulate_shape(records: list[RoundRecord], profile: CostProfile, depth: int,
     tau = tokens / len(records)
     return {"depth": depth, "top_k": top_k, "kind": "chain" if top_k == 1 else "tree", "total_tokens": total_tokens,
             "mean_acceptance_length": tau, "predicted_speedup": (tokens / seconds) * profile.verify(1)}
+
+
+__all__ = ["DEFAULT_SIZES", "CostProfile", "RoundRecord", "TreeBudget", "best_children", "cache_dir", "chain_nodes",
+           "load_or_measure_profile", "measure_draft_seconds", "measure_verify_seconds", "profile_key",
+           "ranked_nodes", "simulate_shape", "truncated_accepted", "usable_profile"]

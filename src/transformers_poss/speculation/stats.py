@@ -14,7 +14,8 @@ class AcceptanceStats:
         position_accepted (`list[int]`): at index ``i``, rounds whose draft token at position ``i + 1`` was accepted.
         position_proposed (`list[int]`): at index ``i``, rounds that proposed a draft token at position ``i + 1``
             after accepting positions ``1..i``.
-        timings (`dict[str, float]`): seconds spent per phase (drafting, verification, acceptance, cache_update).
+        timings (`dict[str, float]`): seconds spent per phase (drafting, verification, acceptance, cache_update;
+            plain_decoding after a fallback).
         rounds (`list`): per-round trees and accepted paths (`budget.RoundRecord`), when recording was asked for.
         fell_back_to_plain (`bool`): the automatic budget found that speculation does not pay on this machine and
             finished the call with plain decoding steps.
@@ -57,6 +58,11 @@ class AcceptanceStats:
 
     def add_time(self, phase: str, seconds: float) -> None:
         self.timings[phase] = self.timings.get(phase, 0.0) + seconds
+
+    @property
+    def plain_decoding_seconds(self) -> float:
+        """Seconds spent in transformers' own decoding loop after a fallback (0.0 without one)."""
+        return self.timings.get("plain_decoding", 0.0)
 
     @property
     def num_rounds(self) -> int:

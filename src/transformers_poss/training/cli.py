@@ -37,6 +37,7 @@ from pathlib import Path
 import yaml
 from transformers.utils import logging
 
+from ..cli.errors import log_to_stderr
 from .config import PosSTrainConfig, build_parser, parse_train_args
 
 
@@ -45,24 +46,12 @@ logger = logging.get_logger(__name__)
 
 def main(argv: list[str]) -> int:
     """``poss train ARGS``: parse with the schema, then run (``--help`` shows every field)."""
-    _log_to_stderr()
+    log_to_stderr("train")  # progress through the package's logger (TRANSFORMERS_VERBOSITY, default info)
     config = parse_train_args(argv)
     if config.script.dry_run:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False))
         return 0
     return run(config)
-
-
-def _log_to_stderr() -> None:
-    """The command reports progress through the package's logger (level from TRANSFORMERS_VERBOSITY, default info)."""
-    import logging as std_logging
-
-    package = std_logging.getLogger("transformers_poss")
-    if not package.handlers:
-        handler = std_logging.StreamHandler()
-        handler.setFormatter(std_logging.Formatter("[poss train] %(message)s"))
-        package.addHandler(handler)
-    package.setLevel(os.environ.get("TRANSFORMERS_VERBOSITY", "info").upper())
 
 
 def add_arguments(parser) -> None:
