@@ -330,7 +330,8 @@ class PosSDraftModel(PosSPreTrainedModel):
 
     @classmethod
     def from_official(cls, repo_id_or_folder, target=None, positions_per_specialist=None, **kwargs):
-        """Load a checkpoint released with the PosS paper (or an EAGLE/HASS one). See [`transformers_poss.official`]."""
+        """Load a checkpoint released with the PosS paper, an EAGLE / HASS one, or an EAGLE-3 one (as an
+        ``eagle3``-style draft reading its aux target layers). See [`transformers_poss.official`]."""
         from .official import load_official
 
         return load_official(cls, repo_id_or_folder, target=target, positions_per_specialist=positions_per_specialist, **kwargs)
