@@ -15,6 +15,7 @@ from transformers_poss import PosSDraftConfig, PosSDraftModel
 from transformers_poss.generation import budget as budget_module
 from transformers_poss.generation import generate as poss_generate
 from transformers_poss.generation.budget import TreeBudget
+from transformers_poss.generation.target_forward import feature_request, read_features
 from tree_testing import one_thread, tiny_gemma3_target, tiny_llama_target, train_draft_briefly  # noqa: F401
 
 TARGETS = {"llama": lambda: tiny_llama_target(layers=4), "gemma3": tiny_gemma3_target}
@@ -48,6 +49,24 @@ def requested_hidden_states(target):
         lambda module, args, kwargs: seen.append(kwargs.get("output_hidden_states")), with_kwargs=True
     )
     return seen, handle
+
+
+# ---------------------------------------------------------------- what the target returns for a selection
+@pytest.mark.parametrize("make", sorted(TARGETS))
+@pytest.mark.parametrize("layers", [None, [1, 2, 4], [4, 0], [3]])
+def test_selected_hidden_states_are_those_of_the_full_tuple(make, layers):
+    """transformers 5 with ``output_hidden_states=[i, ...]``: the tuple keeps its full length and indexing, the
+    states not asked for are None; `read_features` concatenates the asked ones in the given order."""
+    target = TARGETS[make]()
+    ids = prompts(1)[0]
+    with torch.no_grad():
+        full = target(ids, output_hidden_states=True).hidden_states
+        selected = target(ids, output_hidden_states=feature_request(layers)).hidden_states
+    assert len(selected) == len(full) == target.config.num_hidden_layers + 1
+    wanted = {len(full) - 1} if layers is None else set(layers)
+    assert {i for i, state in enumerate(selected) if state is not None} == wanted
+    expected = torch.cat([full[i] for i in (layers or [-1])], dim=-1)
+    assert torch.equal(read_features(selected, layers), expected)
 
 
 # ---------------------------------------------------------------- greedy, B = 1
