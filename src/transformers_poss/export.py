@@ -1,4 +1,5 @@
-"""Drafts for serving engines and for transformers' ``custom_generate``: `export_eagle`, `export_custom_generate`.
+"""Drafts for serving engines and for transformers' ``custom_generate``: `export_eagle`, `export_custom_generate`
+(the EAGLE-3 layout: `export_eagle3`).
 
 EAGLE format (vLLM ``method="eagle"``, SGLang ``--speculative-algorithm EAGLE``, the EAGLE repository): one folder
 with a Llama ``config.json`` and ``model.safetensors`` holding one draft layer,
@@ -17,7 +18,8 @@ with a Llama ``config.json`` and ``model.safetensors`` holding one draft layer,
   target's is used), ``embed_tokens.weight`` only for a draft with its own embedding.
 
 Only single-specialist drafts (EAGLE-2, HASS: S = 1) fit: the engines run the same layer at every draft position,
-so a PosS draft, whose positions use different layers, is refused. A reduced draft vocabulary is not part of the
+so a PosS draft, whose positions use different layers, is refused; so is a draft that reads several target layers
+or has EAGLE-3 style layers (see `export_eagle3`). A reduced draft vocabulary is not part of the
 EAGLE format of vLLM; the layer itself does not depend on it, so the checkpoint drafts over the full vocabulary,
 and the token map is written beside it as ``hot_token_ids.pt`` for SGLang's ``--speculative-token-map``.
 
@@ -81,9 +83,17 @@ def check_eagle_compatible(draft) -> None:
             "(`export_custom_generate`, `poss export --format custom_generate`), or train an S = 1 draft "
             "(EAGLE-2 / HASS) for the engines."
         )
-    if getattr(config, "feature_layers", None):
-        raise ExportError("This draft reads several target layers (EAGLE-3 style feature_layers), which the EAGLE "
-                          "format (one post-norm feature) cannot express.")
+    if config.feature_layers is not None or config.layer_style != "eagle2" or config.own_lm_head:
+        what = [f"reads the target layers {config.feature_layers}" if config.feature_layers is not None else None,
+                "has EAGLE-3 style layers" if config.layer_style != "eagle2" else None,
+                "has its own lm_head" if config.own_lm_head else None]
+        raise ExportError(
+            f"This draft {' and '.join(w for w in what if w)}, which the EAGLE(-2) format (fc over one post-norm "
+            "feature, one layer without input norm, the target's lm_head) cannot express. A one-specialist "
+            "eagle3-style draft with feature layers and its own lm_head exports to the EAGLE-3 layout instead "
+            "(`export_eagle3`, `poss export --format eagle3`); otherwise serve it with transformers "
+            "(`poss export --format custom_generate`)."
+        )
     if (config.target_model_type or "") in _SCALED_EMBEDDING_TYPES:
         raise ExportError(
             f"The target ({config.target_model_type}) scales its input embeddings inside the model; the engines hand "

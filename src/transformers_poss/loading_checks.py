@@ -97,7 +97,7 @@ def check_draft_folder(folder: str, allow_official: bool = False) -> None:
                 return
             raise ValueError(
                 f"{folder} is not a PosS draft saved by this library ({found}); if it is a checkpoint released with "
-                f"the PosS paper or an EAGLE / HASS one, {_OFFICIAL_HINT}."
+                f"the PosS paper or an EAGLE / HASS / EAGLE-3 one, {_OFFICIAL_HINT}."
             )
         raise ValueError(
             f"{folder} is not a PosS draft ({found} in its config.json; a draft has model_type {MODEL_TYPE!r}). "

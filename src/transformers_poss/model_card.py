@@ -72,6 +72,14 @@ def _eval_results(metrics: dict[str, float], recipe) -> list:
     ]
 
 
+def _features_row(config) -> str:
+    """What the draft reads from the target: the post-norm state, or its feature layers (EAGLE-3 style)."""
+    layers = getattr(config, "feature_layers", None)
+    if layers is None:
+        return "post-final-norm hidden state"
+    return f"feature layers {layers} (hidden_states indices, concatenated: {config.target_feature_size} wide)"
+
+
 def _generated_body(model, repo: str) -> str:
     config, gen = model.config, model.generation_config
     target = config.target_name_or_path or "unknown"
@@ -90,6 +98,8 @@ def _generated_body(model, repo: str) -> str:
         ("positions per specialist (N)", config.positions_per_specialist),
         ("training depth (S x N)", config.training_depth),
         ("draft vocabulary", vocab),
+        ("target features", _features_row(config)),
+        ("layer style", f"{config.layer_style}" + (", own lm_head" if config.own_lm_head else "")),
         ("default tree (depth / top-k / total tokens)",
          f"{gen.tree_depth} / {gen.tree_top_k} / {gen.tree_total_tokens}"),
     ]

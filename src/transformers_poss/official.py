@@ -1,10 +1,11 @@
-"""Import of the checkpoints released with the PosS paper, and of EAGLE / HASS checkpoints.
+"""Import of the checkpoints released with the PosS paper, and of EAGLE / HASS and EAGLE-3 checkpoints.
 
 Official layout: a Llama-style ``config.json`` (its ``num_hidden_layers`` is not the specialist count) and
 ``model.safetensors`` or ``pytorch_model.bin`` with flat keys ``embed_tokens.weight``, ``fc.weight``, optional
 ``fc.bias``, ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.mlp.{gate,up,down}_proj.weight`` and
 ``layers.{i}.post_attention_layernorm.weight``. N (positions per specialist) is not stored: it comes from the
-argument or from ``PosS<N>`` in the repository name.
+argument or from ``PosS<N>`` in the repository name. EAGLE-3 checkpoints (a ``midlayer``) are read by
+`official_eagle3`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 import torch
 
 from .configuration_poss import PosSDraftConfig
+from .official_eagle3 import check_eagle3_layout, eagle3_settings, eagle3_state, is_eagle3_checkpoint, token_map
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.(self_attn\.[qkvo]_proj\.weight|mlp\.(gate|up|down)_proj\.weight|post_attention_layernorm\.weight)$")
@@ -97,9 +99,10 @@ def _count_specialists(state: dict) -> int:
 
 
 def official_config(
-    llama_config: dict, state: dict, num_specialists: int, positions_per_specialist: int, target=None
+    llama_config: dict, state: dict, num_specialists: int, positions_per_specialist: int, target=None, **settings
 ) -> PosSDraftConfig:
-    """A [`PosSDraftConfig`] from the official Llama-style config.json and the state dict."""
+    """A [`PosSDraftConfig`] from the official Llama-style config.json and the state dict (``settings``: more
+    config fields)."""
     rope = {"rope_type": "default", "rope_theta": float(llama_config.get("rope_theta", 10000.0))}
     scaling = llama_config.get("rope_scaling") or llama_config.get("rope_parameters")
     if isinstance(scaling, dict):
@@ -116,7 +119,9 @@ def official_config(
             target_hidden_size=text.hidden_size,
         )
     return PosSDraftConfig(
-        vocab_size=llama_config.get("vocab_size", state["embed_tokens.weight"].shape[0] if "embed_tokens.weight" in state else None),
+        vocab_size=settings.pop("vocab_size", None) or llama_config.get(
+            "vocab_size", state["embed_tokens.weight"].shape[0] if "embed_tokens.weight" in state else None
+        ),
         hidden_size=hidden,
         intermediate_size=llama_config["intermediate_size"],
         num_attention_heads=llama_config["num_attention_heads"],
@@ -129,6 +134,7 @@ def official_config(
         positions_per_specialist=positions_per_specialist,
         fc_bias="fc.bias" in state,
         **fingerprint,
+        **settings,
     )
 
 
@@ -146,7 +152,8 @@ def load_official(cls, repo_id_or_folder: str, target=None, positions_per_specia
 
     S is the number of ``layers.{i}`` in the checkpoint. N comes from ``positions_per_specialist`` or from
     ``PosS<N>`` in the name; a multi-specialist checkpoint with neither is refused. A stored ``embed_tokens`` equal
-    to the target's is dropped in favour of the target's; a different one is kept as the draft's own.
+    to the target's is dropped in favour of the target's; a different one is kept as the draft's own. An EAGLE-3
+    checkpoint becomes a one-specialist ``layer_style="eagle3"`` draft (see `official_eagle3`).
     """
     if positions_per_specialist is not None:
         from .checks import positive_int
@@ -158,18 +165,29 @@ def load_official(cls, repo_id_or_folder: str, target=None, positions_per_specia
         raise FileNotFoundError(f"No config.json in {folder}: not an official draft checkpoint.")
     llama_config = read_official_config(config_path)
     state = read_official_state_dict(folder)
-    num_specialists = _count_specialists(state)
-    n = positions_per_specialist or positions_from_name(repo_id_or_folder)
-    if n is None:
-        if num_specialists > 1:
-            raise ValueError(
-                f"{repo_id_or_folder} has {num_specialists} specialist layers but N (positions per specialist) is "
-                "not stored in the checkpoint and its name has no 'PosS<N>': pass positions_per_specialist=N "
-                "(e.g. 2 for a PosS-2 checkpoint)."
-            )
-        n = 1
-    config = official_config(llama_config, state, num_specialists, n, target=target)
-    embed = state.pop("embed_tokens.weight", None)
+    token_ids = None
+    if is_eagle3_checkpoint(state):
+        check_eagle3_layout(repo_id_or_folder, llama_config, state)
+        vocab = llama_config.get("vocab_size") or _eagle3_vocab(state)
+        token_ids = token_map(repo_id_or_folder, state, vocab)
+        settings = eagle3_settings(repo_id_or_folder, llama_config, state, target)
+        settings.update(vocab_size=vocab, draft_vocab_size=None if token_ids is None else token_ids.numel())
+        config = official_config(llama_config, state, 1, positions_per_specialist or 1, target=target, **settings)
+        embed = state.get("embed_tokens.weight")
+        state = eagle3_state(state)
+    else:
+        num_specialists = _count_specialists(state)
+        n = positions_per_specialist or positions_from_name(repo_id_or_folder)
+        if n is None:
+            if num_specialists > 1:
+                raise ValueError(
+                    f"{repo_id_or_folder} has {num_specialists} specialist layers but N (positions per specialist) "
+                    "is not stored in the checkpoint and its name has no 'PosS<N>': pass positions_per_specialist=N "
+                    "(e.g. 2 for a PosS-2 checkpoint)."
+                )
+            n = 1
+        config = official_config(llama_config, state, num_specialists, n, target=target)
+        embed = state.pop("embed_tokens.weight", None)
     own = embed is not None and not _same_embedding(embed, target)
     if embed is not None and target is None:
         own = True
@@ -183,9 +201,20 @@ def load_official(cls, repo_id_or_folder: str, target=None, positions_per_specia
     missing = [k for k in missing if k != "draft_to_target"]
     if missing or unexpected:
         raise ValueError(f"Checkpoint does not fit the draft architecture: missing {missing}, unexpected {unexpected}.")
+    if token_ids is not None:
+        model.draft_to_target.copy_(token_ids)
     model = model.to(dtype)
     model.eval()
     if target is not None:
         device = target.get_output_embeddings().weight.device
         model.to(device).attach_target(target)
     return model
+
+
+def _eagle3_vocab(state: dict) -> int:
+    """The target vocabulary of an EAGLE-3 checkpoint whose config.json does not give it."""
+    for key in ("t2d", "embed_tokens.weight"):
+        if key in state:
+            return state[key].shape[0]
+    raise ValueError("The EAGLE-3 checkpoint gives no vocab_size (config.json) and has no t2d / embed_tokens to read "
+                     "it from; add vocab_size (the target's vocabulary) to its config.json.")

@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("transformers_poss.cli.demo", "stream answers with the shipped draft; plain vs speculative speed"),
     "generate": ("transformers_poss.cli.generate", "generate text with a target, optionally with a PosS draft"),
     "bench": ("transformers_poss.cli.bench", "measure acceptance and speed-up of decoding methods side by side"),
-    "convert": ("transformers_poss.cli.convert", "convert an official PosS / EAGLE / HASS checkpoint"),
+    "convert": ("transformers_poss.cli.convert", "convert an official PosS / EAGLE / HASS / EAGLE-3 checkpoint"),
     "tune": ("transformers_poss.cli.tune", "choose the tree shape for this machine (cost curve + replay)"),
     "vocab": ("transformers_poss.cli.vocab", "give a draft a reduced drafting vocabulary (no retraining)"),
     "train": ("transformers_poss.training.cli", "train a PosS / EAGLE-2 / HASS draft for a target"),

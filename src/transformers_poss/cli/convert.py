@@ -1,4 +1,4 @@
-"""`poss convert`: turn an official PosS / EAGLE / HASS checkpoint into this library's format."""
+"""`poss convert`: turn an official PosS / EAGLE / HASS or EAGLE-3 checkpoint into this library's format."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ from .errors import positive_int
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("source", help="Hub id or folder of the official checkpoint (config.json + weights)")
+    parser.add_argument("source", help="Hub id or folder of the official checkpoint (config.json + weights); an "
+                        "EAGLE-3 checkpoint (midlayer.*) becomes an eagle3-style draft reading the target layers of "
+                        "its eagle_aux_hidden_state_layer_ids (default [2, L // 2, L - 3], which needs --target)")
     parser.add_argument("output", help="folder to write (save_pretrained layout, safetensors)")
     parser.add_argument("--target", default=None, help="embedded name, Hub id or folder of the target (recommended: "
                         "records its fingerprint and drops a stored embedding equal to the target's)")
@@ -36,5 +38,10 @@ def run(args) -> int:
     if args.target:
         target, _ = load_target(args.target)
     out = convert_official(args.source, args.output, target=target, positions_per_specialist=args.positions_per_specialist)
+    from ..configuration_poss import PosSDraftConfig
+
+    config = PosSDraftConfig.from_pretrained(out)
+    if config.feature_layers is not None:
+        print(f"{config.layer_style}-style draft reading the target's feature layers {config.feature_layers}")
     print(f"wrote {out}")
     return 0

@@ -1,4 +1,5 @@
-"""`poss export`: a draft as an EAGLE checkpoint for vLLM / SGLang, or as a transformers `custom_generate` folder."""
+"""`poss export`: a draft as an EAGLE or EAGLE-3 checkpoint for vLLM / SGLang, or as a transformers `custom_generate`
+folder."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import sys
 def add_arguments(parser) -> None:
     parser.add_argument("draft", help="folder or Hub id of the draft (save_pretrained layout)")
     parser.add_argument("output", help="folder to write")
-    parser.add_argument("--format", choices=("eagle", "custom_generate"), default="eagle",
+    parser.add_argument("--format", choices=("eagle", "eagle3", "custom_generate"), default="eagle",
                         help="eagle: Llama config + one layer for vLLM (method 'eagle') and SGLang (EAGLE), S = 1 "
-                             "drafts only; custom_generate: the draft plus custom_generate/generate.py for "
+                             "eagle2-style drafts only; eagle3: the EAGLE-3 layout (vLLM method 'eagle3', SGLang "
+                             "EAGLE3), S = 1 eagle3-style drafts with feature layers and their own lm_head; "
+                             "custom_generate: the draft plus custom_generate/generate.py for "
                              "target.generate(custom_generate=FOLDER, trust_remote_code=True)")
     parser.add_argument("--engine", choices=("vllm", "sglang"), default="vllm",
                         help="eagle: the engine the checkpoint is for (architectures LlamaForCausalLM for vLLM and the "
@@ -21,7 +24,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-fc-bias", action="store_true",
                         help="eagle: leave fc.bias out (for vLLM releases that refuse it; the bias must be zero)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                        help="eagle: storage dtype (default: the draft's)")
+                        help="eagle, eagle3: storage dtype (default: the draft's)")
     parser.add_argument("--repo-id", default=None,
                         help="custom_generate: Hub repo the folder will be pushed to (default draft of generate.py)")
 
@@ -30,6 +33,7 @@ def run(args) -> int:
     import torch
 
     from ..export import ExportError, export_custom_generate, export_eagle
+    from ..export_eagle3 import export_eagle3
     from ..modeling_poss import PosSDraftModel
 
     draft = PosSDraftModel.from_pretrained(args.draft)
@@ -38,6 +42,8 @@ def run(args) -> int:
             dtype = getattr(torch, args.dtype) if args.dtype else None
             out = export_eagle(draft, args.output, engine=args.engine, reduced_vocab=args.reduced_vocab,
                                fc_bias=not args.no_fc_bias, dtype=dtype)
+        elif args.format == "eagle3":
+            out = export_eagle3(draft, args.output, dtype=getattr(torch, args.dtype) if args.dtype else None)
         else:
             out = export_custom_generate(draft, args.output, repo_id=args.repo_id)
     except ExportError as error:

@@ -11,7 +11,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def load_draft(source: str, target):
-    """Load a draft for `target`: a PosS checkpoint, else an official PosS / EAGLE / HASS one via ``from_official``."""
+    """Load a draft for `target`: a PosS checkpoint, else an official PosS / EAGLE / HASS / EAGLE-3 one via ``from_official``."""
     from ..modeling_poss import PosSDraftModel
 
     try:

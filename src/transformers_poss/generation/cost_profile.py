@@ -116,6 +116,9 @@ def profile_key(target, draft=None, top_k: int | None = None) -> str:
     if draft is not None:
         parts += [str(draft.config.num_specialists), str(draft.config.draft_vocab_size), str(top_k),
                   str(getattr(draft, "_poss_quantized", None))]
+        config = draft.config
+        if config.feature_layers is not None or config.layer_style != "eagle2" or config.own_lm_head:
+            parts += [str(config.feature_layers), config.layer_style, str(config.own_lm_head)]  # other draft costs
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 
@@ -170,8 +173,8 @@ def measure_draft_seconds(draft, top_k: int, context_length: int = 128, repeats:
     """
     from ..speculation.drafter import PosSProposer
 
-    device = draft.fc.weight.device if isinstance(getattr(draft.fc, "weight", None), torch.Tensor) else torch.device("cpu")
-    hidden = draft.config.hidden_size
+    device = draft.device
+    hidden = draft.config.target_feature_size  # the width of the target features the draft reads
     generator = torch.Generator().manual_seed(0)
 
     def run(depth):
