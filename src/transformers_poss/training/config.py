@@ -55,7 +55,8 @@ class PosSScriptArguments:
 
 @dataclass
 class PosSDraftArguments:
-    """The draft: S specialists of N positions each (EAGLE-2: 1 x 1, HASS: 1 x K)."""
+    """The draft: S specialists of N positions each (EAGLE-2: 1 x 1, HASS: 1 x K), reading the target's post-norm
+    feature or, with ``feature_layers``, several of its hidden states (EAGLE-3 style)."""
 
     num_specialists: int = field(default=1, metadata={"help": "Specialist layers S."})
     positions_per_specialist: int = field(default=1, metadata={"help": "Draft positions per specialist N."})
@@ -66,6 +67,16 @@ class PosSDraftArguments:
         default=None, metadata={"help": "Reduced drafting vocabulary built from the data (kept from init_from)."}
     )
     intermediate_size: int | None = field(default=None, metadata={"help": "MLP width (default: the target's)."})
+    feature_layers: list[int] | None = field(
+        default=None,
+        metadata={"help": "Target hidden states the draft reads, EAGLE-3 style (indices into hidden_states: 0 = "
+                          "embeddings, num_hidden_layers = post-norm), e.g. 2 15 27; None: the post-norm feature."},
+    )
+    feature_fc_init: Literal["fit", "identity"] = field(
+        default="fit",
+        metadata={"help": "Warm start of a feature_layers draft from a single-feature init_from draft: feature_fc "
+                          "fitted by least squares onto the post-norm feature, or identity on the highest layer."},
+    )
 
 
 @dataclass
