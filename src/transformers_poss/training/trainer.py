@@ -56,6 +56,8 @@ class PosSTrainingArguments(ObjectiveFields, TrainingArguments):
         fc_learning_rate_scale (`float`): learning rate of the shared ``fc`` relative to the rest (1.0); ``0`` freezes
             it. In a multi-step draft the later steps give most of ``fc``'s gradient; a draft started from a trained
             EAGLE layer keeps its step-1 behaviour better with a slower or frozen ``fc``.
+        feature_fc_learning_rate_scale (`float`): the same for ``feature_fc``, the fusion of a ``feature_layers``
+            draft's target layers (1.0; new in a warm start from an EAGLE-2 draft, so it learns at the full rate).
         train_budget_minutes (`float`, *optional*): size the schedule to this much wall time: a few batches are timed
             before training and ``max_steps`` is set to the steps that fit (at most ``num_train_epochs`` epochs), so the
             learning-rate schedule always runs to its end. The choice is stored in ``output_dir/schedule.json`` and
@@ -68,6 +70,9 @@ class PosSTrainingArguments(ObjectiveFields, TrainingArguments):
     max_grad_value: float | None = field(default=0.5, metadata={"help": "Clip gradients by value (None: off)."})
     fc_learning_rate_scale: float = field(
         default=1.0, metadata={"help": "Learning rate of the shared fc relative to the rest (0: frozen)."}
+    )
+    feature_fc_learning_rate_scale: float = field(
+        default=1.0, metadata={"help": "Learning rate of feature_fc (feature_layers drafts) relative to the rest."}
     )
     train_budget_minutes: float | None = field(
         default=None, metadata={"help": "Choose max_steps so the whole schedule fits this many minutes (None: off)."}
@@ -94,6 +99,9 @@ class PosSTrainingArguments(ObjectiveFields, TrainingArguments):
         check_objective(self)
         if self.fc_learning_rate_scale < 0:
             raise ValueError(f"fc_learning_rate_scale must be >= 0 (0 freezes fc), got {self.fc_learning_rate_scale}.")
+        if self.feature_fc_learning_rate_scale < 0:
+            raise ValueError("feature_fc_learning_rate_scale must be >= 0 (0 freezes feature_fc), got "
+                             f"{self.feature_fc_learning_rate_scale}.")
         if self.train_budget_minutes is not None and self.train_budget_minutes <= 0:
             raise ValueError(f"train_budget_minutes must be > 0, got {self.train_budget_minutes}.")
 
@@ -207,8 +215,9 @@ class PosSTrainer(AtomicCheckpointMixin, Trainer):
                 check_feature_layout(dataset.feature_layers, draft, f"the features in {dataset.directory}")
         objective = args.objective() if hasattr(args, "objective") else ObjectiveConfig()
         set_objective(draft, objective)
-        if getattr(args, "fc_learning_rate_scale", 1.0) == 0:
-            draft.fc.requires_grad_(False)
+        for module, scale in self._scaled_modules(draft, args):
+            if scale == 0:
+                module.requires_grad_(False)
         self._configure_checkpointing(draft, args)
         self._configure_ddp(draft, args, objective)
         pad = getattr(processing_class, "pad_token_id", None) or draft.config.pad_token_id or 0
@@ -245,20 +254,28 @@ class PosSTrainer(AtomicCheckpointMixin, Trainer):
         args.ddp_find_unused_parameters = len(used) < draft.config.num_specialists
 
     # ------------------------------------------------------------------ optimiser and schedule
+    @staticmethod
+    def _scaled_modules(draft, args) -> list:
+        """``(module, learning-rate scale)`` of the shared ``fc`` and, when the draft has one, ``feature_fc``."""
+        pairs = [("fc", "fc_learning_rate_scale"), ("feature_fc", "feature_fc_learning_rate_scale")]
+        return [(getattr(draft, name), getattr(args, scale, 1.0)) for name, scale in pairs
+                if getattr(draft, name, None) is not None]
+
     def create_optimizer(self, model=None):
-        """The Trainer's optimiser, with the shared ``fc`` in groups of its own at ``fc_learning_rate_scale`` x lr."""
+        """The Trainer's optimiser, with the shared ``fc`` (and ``feature_fc``) in groups of their own at
+        ``fc_learning_rate_scale`` (``feature_fc_learning_rate_scale``) x lr."""
         optimizer = super().create_optimizer(model)
-        scale = getattr(self.args, "fc_learning_rate_scale", 1.0)
-        if scale in (0, 1.0):
-            return optimizer
-        fc = {id(p) for p in unwrap_draft(self.model).fc.parameters()}
-        for group in list(optimizer.param_groups):
-            slow = [p for p in group["params"] if id(p) in fc]
-            if not slow:
+        for module, scale in self._scaled_modules(unwrap_draft(self.model), self.args):
+            if scale in (0, 1.0):
                 continue
-            group["params"] = [p for p in group["params"] if id(p) not in fc]
-            optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": slow,
-                                       "lr": group["lr"] * scale})
+            chosen = {id(p) for p in module.parameters()}
+            for group in list(optimizer.param_groups):
+                slow = [p for p in group["params"] if id(p) in chosen]
+                if not slow:
+                    continue
+                group["params"] = [p for p in group["params"] if id(p) not in chosen]
+                optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": slow,
+                                           "lr": group["lr"] * scale})
         optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
         return optimizer
 
