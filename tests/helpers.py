@@ -41,3 +41,30 @@ def motif_sequences(count=24, seed=0, vocab=128):
         mask[length // 3 :] = 1
         items.append({"input_ids": tokens, "assistant_mask": mask})
     return items
+
+
+# draft variants that read several target layers (EAGLE-3 style), for a tiny_llama(layers=4) target
+FEATURE_VARIANTS = {
+    "eagle2-fl": dict(feature_layers=[1, 2, 4]),
+    "eagle3-fl": dict(feature_layers=[1, 2, 4], layer_style="eagle3"),
+    "eagle3-fl-head": dict(feature_layers=[0, 3], layer_style="eagle3", own_lm_head=True),
+    "eagle3-post-norm": dict(layer_style="eagle3"),
+}
+
+
+def randomize_norms(model, seed=3):
+    """Give every RMSNorm weight of ``model`` random values (freshly built norms are all ones, which would hide a
+    norm applied to the wrong tensor)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.5 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+def selected_features(target, ids, layers):
+    """`[B, T, k*H]`: the target's hidden states ``layers`` (None: the post-norm one) concatenated, for ``ids``."""
+    with torch.no_grad():
+        states = target(ids, output_hidden_states=True).hidden_states
+    return torch.cat([states[i] for i in (layers or [-1])], dim=-1)

@@ -43,13 +43,60 @@ def _rope(rope: dict) -> dict:
     return rope
 
 
+LAYER_STYLES = ("eagle2", "eagle3")
+
+
+def eagle3_feature_layers(num_hidden_layers: int) -> list[int]:
+    """EAGLE-3's default target layers ``[2, L // 2, L - 3]`` for a target of ``num_hidden_layers`` (L) layers, as
+    indices into its ``hidden_states`` tuple (the inputs of decoder layers 2, L // 2 and L - 3)."""
+    return [2, num_hidden_layers // 2, num_hidden_layers - 3]
+
+
+def _feature_layers(value: Any, num_hidden_layers: int | None) -> list[int] | None:
+    """Check ``feature_layers``: None, or distinct ints in ``[0, num_hidden_layers]`` (upper bound when known)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"`feature_layers` must be a list of target layer indices, got {value!r}.")
+    layers = list(value)
+    if not layers or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
+        raise ValueError(f"`feature_layers` must be a non-empty list of integers, got {value!r}.")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"`feature_layers` {layers} repeats a layer; give each target layer once.")
+    top = "num_hidden_layers" if num_hidden_layers is None else num_hidden_layers
+    if min(layers) < 0 or (num_hidden_layers is not None and max(layers) > num_hidden_layers):
+        raise ValueError(
+            f"`feature_layers` {layers} must lie in [0, {top}]: indices into the target's hidden_states (0 = the "
+            f"embedding output, i = the output of decoder layer i - 1, {top} = the post-final-norm state); negative "
+            "indices are not accepted."
+        )
+    return layers
+
+
 class PosSDraftConfig(PreTrainedConfig):
     r"""Configuration of a [`PosSDraftModel`]: an EAGLE-style feature draft with position-specialist layers.
 
-    The draft fuses the target's embedding of token ``x_{t+1}`` with the target's feature ``f_t`` through ``fc`` and
-    runs one of ``num_specialists`` Llama-style decoder layers (no input norm, no final norm) over it. Draft step
-    ``j`` (``j = 0`` produces depth 1) uses specialist ``min(j // positions_per_specialist, num_specialists - 1)``.
-    EAGLE-2 and HASS drafts are the case ``num_specialists = 1``.
+    The draft fuses the target's embedding of token ``x_{t+1}`` with the target's feature ``f_t`` and runs one of
+    ``num_specialists`` Llama-style decoder layers over it. Draft step ``j`` (``j = 0`` produces depth 1) uses
+    specialist ``min(j // positions_per_specialist, num_specialists - 1)``. EAGLE-2 and HASS drafts are the case
+    ``num_specialists = 1``.
+
+    Target features. ``feature_layers=None`` (default): ``f_t`` is the target's post-final-norm hidden state (the
+    lm_head input), `[.., H]`. ``feature_layers=[i_1, .., i_k]`` (EAGLE-3 style): ``f_t`` is the concatenation, in
+    that order, of ``hidden_states[i_1], .., hidden_states[i_k]`` of the target's transformers ``hidden_states``
+    tuple (``output_hidden_states``), `[.., k * H]` (``target_feature_size``), where index 0 is the embedding
+    output, index i the output of decoder layer i - 1 (= the input of decoder layer i) and index
+    ``num_hidden_layers`` the post-final-norm state. ``feature_fc`` (k*H -> H, no bias) fuses them into one H-wide
+    feature; only target features are fused, later draft steps feed the draft's own H-wide predictions. EAGLE-3's
+    aux layers are this convention: the EAGLE repository's Llama forward (and vLLM's
+    ``eagle_aux_hidden_state_layer_ids``, SpecForge) records the hidden state entering decoder layer ``idx`` for
+    ``idx in (2, L // 2, L - 3)``, before that layer runs, i.e. ``hidden_states[idx]``; so EAGLE-3's default is
+    ``feature_layers=[2, L // 2, L - 3]`` ([`eagle3_feature_layers`]), aux ids carry over unchanged.
+
+    Layer styles. ``layer_style="eagle2"`` (default): ``fc(cat(embed(x), f))`` 2H -> H, then a decoder layer with
+    ``post_attention_layernorm`` but no input norm and no final norm. ``layer_style="eagle3"``: EAGLE-3's midlayer
+    (``input_layernorm`` on the embedding, ``hidden_norm`` on the feature, q/k/v over their 2H concatenation, the
+    feature as residual, ``post_attention_layernorm`` + MLP) and a final ``norm`` before the lm_head; no ``fc``.
 
     Args:
         vocab_size (`int`): vocabulary of the target (size of its lm_head).
@@ -67,6 +114,13 @@ class PosSDraftConfig(PreTrainedConfig):
         draft_vocab_size (`int`, *optional*): size of a reduced drafting vocabulary (a token map is then stored in
             the checkpoint); None drafts over the full vocabulary.
         own_embeddings (`bool`): the draft carries its own token embedding (saved) instead of borrowing the target's.
+        feature_layers (`list[int]`, *optional*): the target hidden states the draft reads (see above); None = the
+            single post-final-norm feature.
+        layer_style (`str`): ``"eagle2"`` or ``"eagle3"`` (see above).
+        own_lm_head (`bool`): the draft carries its own lm_head `[draft_vocab_size or vocab_size, H]` (saved, as
+            EAGLE-3 checkpoints do) instead of borrowing the target's lm_head rows.
+        target_num_hidden_layers (`int`, *optional*): the target's decoder layer count (fingerprint; bounds
+            ``feature_layers``).
         target_model_type / target_name_or_path / target_vocab_size / target_hidden_size: fingerprint of the target
             the draft was made for; checked when the draft is attached.
     """
@@ -99,6 +153,10 @@ class PosSDraftConfig(PreTrainedConfig):
         target_vocab_size: int | None = None,
         target_hidden_size: int | None = None,
         training_depth: int | None = None,
+        feature_layers: list[int] | None = None,
+        layer_style: str = "eagle2",
+        own_lm_head: bool = False,
+        target_num_hidden_layers: int | None = None,
         **kwargs,
     ):
         self.vocab_size = _positive_int("vocab_size", vocab_size)
@@ -155,6 +213,14 @@ class PosSDraftConfig(PreTrainedConfig):
         self.target_name_or_path = target_name_or_path
         self.target_vocab_size = target_vocab_size
         self.target_hidden_size = target_hidden_size
+        if target_num_hidden_layers is not None:
+            _positive_int("target_num_hidden_layers", target_num_hidden_layers)
+        self.target_num_hidden_layers = target_num_hidden_layers
+        self.feature_layers = _feature_layers(feature_layers, target_num_hidden_layers)
+        if layer_style not in LAYER_STYLES:
+            raise ValueError(f"`layer_style` must be one of {', '.join(LAYER_STYLES)}, got {layer_style!r}.")
+        self.layer_style = layer_style
+        self.own_lm_head = bool(own_lm_head)
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 
@@ -167,6 +233,22 @@ class PosSDraftConfig(PreTrainedConfig):
     def specialist_for_step(self, step: int) -> int:
         """Specialist used by draft step ``step`` (step 0 yields depth 1): ``min(step // N, S - 1)``."""
         return min(step // self.positions_per_specialist, self.num_specialists - 1)
+
+    @property
+    def num_feature_layers(self) -> int:
+        """k: target hidden states concatenated per position (1 without ``feature_layers``)."""
+        return 1 if self.feature_layers is None else len(self.feature_layers)
+
+    @property
+    def target_feature_size(self) -> int:
+        """Width of the target features the draft reads: ``k * hidden_size`` with ``feature_layers``, else H."""
+        return self.num_feature_layers * self.hidden_size
+
+    @property
+    def fused_size(self) -> int:
+        """Width of a fused pair fed to a specialist layer: H (``eagle2``: after ``fc``) or 2H (``eagle3``: the
+        embedding and the feature side by side, normalised inside the layer)."""
+        return 2 * self.hidden_size if self.layer_style == "eagle3" else self.hidden_size
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
@@ -187,7 +269,9 @@ class PosSDraftConfig(PreTrainedConfig):
     ) -> "PosSDraftConfig":
         """A draft config whose layer shape, vocabulary, RoPE and fingerprint come from ``target_config``.
 
-        ``target_config`` is the target's ``config`` (its text config is used for multimodal models).
+        ``target_config`` is the target's ``config`` (its text config is used for multimodal models). Other keyword
+        arguments are config fields, e.g. ``feature_layers=[2, L // 2, L - 3]`` (checked against the target's
+        ``num_hidden_layers``), ``layer_style="eagle3"``, ``own_lm_head=True``.
         """
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         rope = getattr(text, "rope_parameters", None)
@@ -213,6 +297,7 @@ class PosSDraftConfig(PreTrainedConfig):
             target_name_or_path=name_or_path or getattr(target_config, "_name_or_path", None) or None,
             target_vocab_size=text.vocab_size,
             target_hidden_size=text.hidden_size,
+            target_num_hidden_layers=getattr(text, "num_hidden_layers", None),
             bos_token_id=getattr(text, "bos_token_id", None),
             eos_token_id=getattr(text, "eos_token_id", None),
             pad_token_id=getattr(text, "pad_token_id", None),
@@ -230,6 +315,15 @@ class PosSDraftConfig(PreTrainedConfig):
             problems.append(f"vocab size {target_vocab} != draft's {self.vocab_size}")
         if self.target_model_type and text.model_type != self.target_model_type:
             problems.append(f"model type {text.model_type!r} != {self.target_model_type!r} the draft was made for")
+        layers = getattr(text, "num_hidden_layers", None)
+        if self.feature_layers is not None and isinstance(layers, int):
+            beyond = [i for i in self.feature_layers if i > layers]
+            if beyond:
+                problems.append(f"feature layer(s) {beyond} beyond the target's {layers} layers (its hidden_states "
+                                f"indices are 0..{layers})")
+            elif self.target_num_hidden_layers is not None and layers != self.target_num_hidden_layers:
+                problems.append(f"{layers} decoder layers != the {self.target_num_hidden_layers} the draft's "
+                                f"feature_layers {self.feature_layers} refer to")
         if problems:
             made_for = self.target_name_or_path or self.target_model_type or "another model"
             raise ValueError(

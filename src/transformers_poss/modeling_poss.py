@@ -1,6 +1,16 @@
 """PosS draft model: an EAGLE-style feature head with position-specialist decoder layers.
 
-Read top-down: helpers -> attention -> decoder layer -> cache -> model.
+Read top-down: pretrained base -> model (target attachment, logits, the building blocks, forward, drafting, hub).
+The layers (attention, MLP, the ``eagle2`` / ``eagle3`` specialist styles) are in `modeling_poss_layers`.
+
+The building blocks the drafter and the training objective call, the same for every layer style and feature setting:
+
+- ``fuse_target_features(f)``: target features `[B, T, k*H]` -> `[B, T, H]` (``feature_fc``; identity when the
+  draft reads the single post-norm feature);
+- ``fuse(x, f)``: tokens `[B, T]` and H-wide features `[B, T, H]` -> fused pairs `[B, T, config.fused_size]`;
+- ``position_embeddings(fused, position_ids)``; ``layers[s].project_kv(fused, emb)``; ``layers[s](fused, emb, k, v, mask)``
+  -> predicted features `[B, T, H]`;
+- ``compute_logits(features)`` -> draft logits `[..., V']`; ``to_target_tokens(ids)``.
 """
 
 from __future__ import annotations
@@ -9,131 +19,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
-from transformers.activations import ACT2FN
-from transformers.models.llama.modeling_llama import (
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    repeat_kv,
-)
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from .configuration_poss import TREE_GENERATION_KEYS, PosSDraftConfig
 from .modeling_outputs import PosSDraftOutput
+from .modeling_poss_layers import (
+    LAYER_CLASSES,
+    PosSAttention,
+    PosSDecoderLayer,
+    PosSEagle3DecoderLayer,
+    as_bool_mask,
+    causal_mask,
+)
 from .quantization.int8 import linear_bias, linear_weight
 from .speculation.draft_cache import PosSDraftCache
-
-
-# ---------------------------------------------------------------------------------------------------- helpers
-def causal_mask(query_length: int, past_length: int, device) -> torch.BoolTensor:
-    """Bool mask `[1, 1, q, past + q]`: query ``i`` (at position ``past + i``) sees keys ``0 .. past + i``."""
-    keys = torch.arange(past_length + query_length, device=device)
-    queries = torch.arange(query_length, device=device) + past_length
-    return (keys[None, :] <= queries[:, None])[None, None]
-
-
-def as_bool_mask(attention_mask: torch.Tensor, query_length: int, past_length: int) -> torch.BoolTensor:
-    """Turn a user mask into a bool `[B|1, 1, q, past + q]` mask (True = attend).
-
-    Accepts a 2D padding mask `[B, past + q]` (combined with causality), or a 4D bool / additive float mask.
-    """
-    if attention_mask.dim() == 2:
-        padding = attention_mask.bool()[:, None, None, :]
-        return padding & causal_mask(query_length, past_length, attention_mask.device)
-    if attention_mask.dim() == 4:
-        if attention_mask.dtype == torch.bool:
-            return attention_mask
-        return attention_mask == 0
-    raise ValueError(f"attention_mask must be 2D [batch, keys] or 4D [batch, 1, queries, keys], got {attention_mask.dim()}D.")
-
-
-# ---------------------------------------------------------------------------------------------------- attention
-class PosSAttention(nn.Module):
-    """Llama-style multi-head attention (GQA, RoPE, no biases) that attends over explicitly given keys/values.
-
-    Keys/values of a pair depend only on the pair, so they are computed once (``project_kv``) and reused: by the
-    context cache, by tree ancestors, and by the multi-step training objective.
-    """
-
-    def __init__(self, config: PosSDraftConfig):
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.scaling = self.head_dim**-0.5
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
-
-    def _heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
-        batch, length, _ = x.shape
-        return x.view(batch, length, num_heads, self.head_dim).transpose(1, 2)
-
-    def project_kv(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of `[B, T, H]` inputs: two `[B, kv_heads, T, head_dim]` tensors, RoPE applied to keys."""
-        cos, sin = position_embeddings
-        keys = self._heads(self.k_proj(hidden_states), self.num_kv_heads)
-        values = self._heads(self.v_proj(hidden_states), self.num_kv_heads)
-        keys = keys * cos.unsqueeze(1) + _rotate_half(keys) * sin.unsqueeze(1)
-        return keys, values
-
-    def forward(self, hidden_states, position_embeddings, keys, values, attention_mask) -> torch.Tensor:
-        """Queries from `[B, T, H]` attend over `keys`/`values` `[B, kv_heads, K, head_dim]` with a bool
-        `[B|1, 1, T, K]` mask. Returns `[B, T, H]`."""
-        cos, sin = position_embeddings
-        queries = self._heads(self.q_proj(hidden_states), self.num_heads)
-        queries = queries * cos.unsqueeze(1) + _rotate_half(queries) * sin.unsqueeze(1)
-        groups = self.num_heads // self.num_kv_heads
-        out = F.scaled_dot_product_attention(
-            queries, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=attention_mask, scale=self.scaling
-        )
-        batch, _, length, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class PosSMLP(nn.Module):
-    """SwiGLU MLP."""
-
-    def __init__(self, config: PosSDraftConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-# ---------------------------------------------------------------------------------------------------- layer
-class PosSDecoderLayer(nn.Module):
-    """One specialist: attention + SwiGLU MLP, with ``post_attention_layernorm`` but no input norm."""
-
-    def __init__(self, config: PosSDraftConfig):
-        super().__init__()
-        self.self_attn = PosSAttention(config)
-        self.mlp = PosSMLP(config)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def project_kv(self, hidden_states, position_embeddings):
-        """See [`PosSAttention.project_kv`]."""
-        return self.self_attn.project_kv(hidden_states, position_embeddings)
-
-    def forward(self, hidden_states, position_embeddings, keys, values, attention_mask) -> torch.Tensor:
-        """`[B, T, H]` fused inputs -> `[B, T, H]` predicted features."""
-        hidden_states = hidden_states + self.self_attn(hidden_states, position_embeddings, keys, values, attention_mask)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
 # ---------------------------------------------------------------------------------------------------- model
 class PosSPreTrainedModel(PreTrainedModel):
     config_class = PosSDraftConfig
     base_model_prefix = "poss"
-    _no_split_modules = ["PosSDecoderLayer"]
+    _no_split_modules = ["PosSDecoderLayer", "PosSEagle3DecoderLayer"]
     supports_gradient_checkpointing = True
     _supports_sdpa = True
 
@@ -150,15 +56,31 @@ class PosSPreTrainedModel(PreTrainedModel):
 
 
 class PosSDraftModel(PosSPreTrainedModel):
-    """PosS draft: ``fc`` fuses [embed(x_{t+1}), f_t]; specialist ``s`` predicts f_{t+1}; logits via the target's
-    lm_head. The target's embedding and lm_head are borrowed with [`attach_target`] and never saved."""
+    """PosS draft: the pair [embed(x_{t+1}), f_t] is fused (``fc`` in the ``eagle2`` style, inside the layer in the
+    ``eagle3`` style); specialist ``s`` predicts f_{t+1}; logits via the target's lm_head (or the draft's own). The
+    target's embedding and lm_head are borrowed with [`attach_target`] and never saved.
+
+    Modules: ``feature_fc`` (k*H -> H, only with ``config.feature_layers``), ``fc`` (2H -> H, ``eagle2`` only),
+    ``layers`` (``num_specialists`` specialist layers of ``config.layer_style``), ``norm`` (final norm, ``eagle3``
+    only), ``lm_head`` (only with ``config.own_lm_head``), ``embed_tokens`` (only with ``config.own_embeddings``).
+    """
 
     def __init__(self, config: PosSDraftConfig):
         super().__init__(config)
-        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
-        self.layers = nn.ModuleList([PosSDecoderLayer(config) for _ in range(config.num_specialists)])
+        hidden = config.hidden_size
+        self.feature_fc = None
+        if config.feature_layers is not None:
+            self.feature_fc = nn.Linear(config.target_feature_size, hidden, bias=False)
+        eagle3 = config.layer_style == "eagle3"
+        self.fc = None if eagle3 else nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
+        layer_class = LAYER_CLASSES[config.layer_style]
+        self.layers = nn.ModuleList([layer_class(config) for _ in range(config.num_specialists)])
+        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps) if eagle3 else None
+        self.lm_head = None
+        if config.own_lm_head:
+            self.lm_head = nn.Linear(hidden, config.draft_vocab_size or config.vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if config.own_embeddings else None
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden) if config.own_embeddings else None
         if config.draft_vocab_size is not None:
             self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size), persistent=True)
         else:
@@ -194,7 +116,9 @@ class PosSDraftModel(PosSPreTrainedModel):
 
     @property
     def is_attached(self) -> bool:
-        return self._target_lm_head is not None and (self._target_embed is not None or self.embed_tokens is not None)
+        """Whether the draft has an embedding and an lm_head to run with (its own, or a target's)."""
+        has_head = self.lm_head is not None or self._target_lm_head is not None
+        return has_head and (self._target_embed is not None or self.embed_tokens is not None)
 
     def _require_target(self):
         if not self.is_attached:
@@ -228,7 +152,12 @@ class PosSDraftModel(PosSPreTrainedModel):
         return weight, bias
 
     def compute_logits(self, features: torch.Tensor) -> torch.Tensor:
-        """Draft logits `[..., V']` of `[..., H]` features (V' = draft vocabulary size when a token map is set)."""
+        """Draft logits `[..., V']` of `[..., H]` predicted features (V' = draft vocabulary size when a token map is
+        set). The ``eagle3`` style applies its final ``norm`` first; ``own_lm_head`` drafts use their own head."""
+        if self.norm is not None:
+            features = self.norm(features.to(self.norm.weight.dtype))
+        if self.lm_head is not None:
+            return self.lm_head(features.to(self._compute_dtype(self.lm_head)))
         if self.draft_to_target is None:
             self._require_target()
             head = self._target_lm_head
@@ -243,11 +172,40 @@ class PosSDraftModel(PosSPreTrainedModel):
         return self.draft_to_target.to(draft_ids.device)[draft_ids]
 
     # ------------------------------------------------------------------ building blocks
-    def fuse(self, input_ids: torch.LongTensor, target_hidden_states: torch.Tensor) -> torch.Tensor:
-        """`fc(cat(embed(x_{t+1}), f_t))`: `[B, T]` tokens and `[B, T, H]` features -> `[B, T, H]`."""
-        dtype = self._compute_dtype(self.fc)
-        embeds = self.embed(input_ids).to(dtype)
-        return self.fc(torch.cat([embeds, target_hidden_states.to(dtype)], dim=-1))
+    def fuse_target_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features `[B, T, config.target_feature_size]` -> H-wide features `[B, T, H]`.
+
+        With ``config.feature_layers`` the k selected target hidden states (concatenated in that order) go through
+        ``feature_fc``; without, the post-norm feature is returned unchanged. Only target features are fused: the
+        draft's own predictions are already H-wide.
+        """
+        expected = self.config.target_feature_size
+        if features.shape[-1] != expected:
+            source = (f"the {self.config.num_feature_layers} target hidden states {self.config.feature_layers} "
+                      "concatenated" if self.feature_fc is not None else "the target's post-norm hidden state")
+            raise ValueError(f"target features of width {features.shape[-1]} given; this draft reads {expected} "
+                             f"({source}).")
+        if self.feature_fc is None:
+            return features
+        return self.feature_fc(features.to(self._compute_dtype(self.feature_fc)))
+
+    def fuse(self, input_ids: torch.LongTensor, features: torch.Tensor) -> torch.Tensor:
+        """Fused pairs `[B, T, config.fused_size]` of `[B, T]` tokens x_{t+1} and H-wide features `[B, T, H]` (target
+        features after [`fuse_target_features`], or the draft's own predictions).
+
+        ``eagle2``: ``fc(cat(embed(x), f))`` `[B, T, H]`; ``eagle3``: ``cat(embed(x), f)`` `[B, T, 2H]` (the layer
+        normalises both halves itself).
+        """
+        if features.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"fuse takes H = {self.config.hidden_size} wide features, got {features.shape[-1]}; pass "
+                             "target features through draft.fuse_target_features first.")
+        dtype = self._layer_dtype()
+        pairs = torch.cat([self.embed(input_ids).to(dtype), features.to(dtype)], dim=-1)
+        return pairs if self.fc is None else self.fc(pairs)
+
+    def _layer_dtype(self) -> torch.dtype:
+        """Input dtype of the fused pairs (that of ``fc``, else of the first layer's projections)."""
+        return self._compute_dtype(self.fc if self.fc is not None else self.layers[0].self_attn.q_proj)
 
     @staticmethod
     def _compute_dtype(linear: nn.Module) -> torch.dtype:
@@ -279,7 +237,8 @@ class PosSDraftModel(PosSPreTrainedModel):
 
         Args:
             input_ids (`[B, T]`): tokens x_{t+1}.
-            target_hidden_states (`[B, T, H]`): target features f_t (post-final-norm).
+            target_hidden_states (`[B, T, config.target_feature_size]`): target features f_t: post-final-norm
+                `[B, T, H]`, or with ``config.feature_layers`` the k selected hidden states concatenated `[B, T, k*H]`.
             specialist (`int`): which specialist layer.
             position_ids (`[B, T]`, *optional*): defaults to ``past .. past + T - 1``.
             attention_mask (*optional*): 2D padding mask over past + T keys, or a 4D bool/additive mask.
@@ -307,7 +266,7 @@ class PosSDraftModel(PosSPreTrainedModel):
         if not valid or not 0 <= int(specialist) < self.config.num_specialists:
             raise ValueError(f"specialist must be in [0, {self.config.num_specialists}), got {specialist!r}.")
         specialist = int(specialist)
-        hidden = self.fuse(input_ids, target_hidden_states)
+        hidden = self.fuse(input_ids, self.fuse_target_features(target_hidden_states))
         batch, length, _ = hidden.shape
         past = cache.get_seq_length(specialist) if cache is not None else 0
         if position_ids is None:
@@ -327,7 +286,7 @@ class PosSDraftModel(PosSPreTrainedModel):
 
         Args:
             input_ids (`[1, n + 1]`): x_0 .. x_n; x_n is the root.
-            target_hidden_states (`[1, n, H]`): f_0 .. f_{n-1}.
+            target_hidden_states (`[1, n, config.target_feature_size]`): f_0 .. f_{n-1}.
         Returns: a [`DraftTree`].
         """
         from .speculation.drafter import PosSProposer
@@ -377,4 +336,7 @@ class PosSDraftModel(PosSPreTrainedModel):
         return load_official(cls, repo_id_or_folder, target=target, positions_per_specialist=positions_per_specialist, **kwargs)
 
 
-__all__ = ["PosSDraftModel", "PosSDraftOutput", "PosSDraftCache", "PosSDecoderLayer", "PosSAttention"]
+__all__ = [
+    "PosSDraftModel", "PosSDraftOutput", "PosSDraftCache", "PosSDecoderLayer", "PosSEagle3DecoderLayer", "PosSAttention",
+    "causal_mask", "as_bool_mask",
+]

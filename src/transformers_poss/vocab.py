@@ -67,7 +67,8 @@ def set_token_map(draft, token_ids: torch.Tensor) -> None:
         raise ValueError(f"token map ids must lie in [0, {draft.config.vocab_size}).")
     if torch.unique(token_ids).numel() != token_ids.numel():
         raise ValueError("the token map holds duplicate token ids.")
-    device = draft.fc.weight.device
+    _refuse_own_head(draft)
+    device = draft.device
     draft._buffers.pop("draft_to_target", None)
     draft.__dict__.pop("draft_to_target", None)
     draft.register_buffer("draft_to_target", token_ids.to(device), persistent=True)
@@ -75,8 +76,15 @@ def set_token_map(draft, token_ids: torch.Tensor) -> None:
     object.__setattr__(draft, "_draft_head_weight", None)
 
 
+def _refuse_own_head(draft) -> None:
+    if getattr(draft.config, "own_lm_head", False):
+        raise ValueError("This draft carries its own lm_head over its drafting vocabulary (an EAGLE-3 style head); "
+                         "its token map belongs to that head and cannot be changed without retraining it.")
+
+
 def remove_token_map(draft) -> None:
     """Draft over the full vocabulary again."""
+    _refuse_own_head(draft)
     if "draft_to_target" in draft._buffers:
         del draft._buffers["draft_to_target"]
     draft.draft_to_target = None

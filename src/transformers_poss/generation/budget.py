@@ -168,8 +168,8 @@ def measure_draft_seconds(draft, top_k: int, context_length: int = 128, repeats:
     """(context step, further step) drafting times: trees of depth 1 and 3 after a 2-pair context update."""
     from ..speculation.drafter import PosSProposer
 
-    device = draft.fc.weight.device if isinstance(getattr(draft.fc, "weight", None), torch.Tensor) else torch.device("cpu")
-    hidden = draft.config.hidden_size
+    device = draft.device
+    hidden = draft.config.target_feature_size  # the width of the target features the draft reads
     generator = torch.Generator().manual_seed(0)
 
     def run(depth):

@@ -24,7 +24,8 @@ from .tree import BatchedTree, DraftTree, batched_ancestor_mask
 
 
 class _RoundState:
-    """Tree rows fed to the draft during one round, for B rows: fused inputs `[B, R, H]`, positions `[B, R]`,
+    """Tree rows fed to the draft during one round, for B rows: fused inputs `[B, R, F]` (F =
+    ``config.fused_size``), positions `[B, R]`,
     ancestry `[B, R, R]` among them, and each specialist's keys/values of them."""
 
     def __init__(self):
@@ -34,7 +35,7 @@ class _RoundState:
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # specialist -> (keys, values, rows done)
 
     def add(self, hidden, positions, parent_rows: torch.LongTensor | None):
-        """Append `[B, k, H]` inputs at `[B, k]` positions whose parents are rows `[B, k]` ``parent_rows`` (None:
+        """Append `[B, k, F]` fused inputs at `[B, k]` positions whose parents are rows `[B, k]` ``parent_rows`` (None:
         the first layer, children of the roots)."""
         batch, k, _ = hidden.shape
         eye = torch.eye(k, dtype=torch.bool, device=hidden.device).expand(batch, k, k)
@@ -80,7 +81,7 @@ class PosSProposer:
         drafting_vocab = draft.config.draft_vocab_size or draft.config.vocab_size
         self.depth, self.top_k, self.total_tokens = depth, min(top_k, drafting_vocab), total_tokens
         self.cache = PosSDraftCache(draft.config.num_specialists)
-        self.hidden: torch.Tensor | None = None  # [B, L, H] fused context pairs
+        self.hidden: torch.Tensor | None = None  # [B, L, F] fused context pairs (F = config.fused_size)
         self.roots: torch.LongTensor | None = None  # [B] token of each row's last pair (the next root)
 
     @property
@@ -90,10 +91,10 @@ class PosSProposer:
     # ------------------------------------------------------------------ context
     @torch.no_grad()
     def append(self, tokens: torch.LongTensor, features: torch.Tensor, valid: torch.BoolTensor | None = None) -> None:
-        """New pair columns: tokens x_{t+1} `[B, m]` and target features f_t `[B, m, H]`; the last column is real for
-        every row. ``valid`` (`[B, m]`, which new columns are real) is part of the interface for proposers that keep
+        """New pair columns: tokens x_{t+1} `[B, m]` and target features f_t `[B, m, config.target_feature_size]`
+        (k*H with ``feature_layers``, fused to H here); the last column is real for every row. ``valid`` (`[B, m]`, which new columns are real) is part of the interface for proposers that keep
         per-row state; the draft reads validity from the layout passed to `propose_batch`."""
-        hidden = self.draft.fuse(tokens, features)
+        hidden = self.draft.fuse(tokens, self.draft.fuse_target_features(features))
         self.hidden = hidden if self.hidden is None else torch.cat([self.hidden, hidden], dim=1)
         self.roots = tokens[:, -1]
 
@@ -134,7 +135,7 @@ class PosSProposer:
 
         Args:
             input_ids (`[B, m]`): tokens x_{t+1} of the new pairs; ``input_ids[:, -1]`` are the roots.
-            target_hidden_states (`[B, m, H]`): target features f_t of the same pairs.
+            target_hidden_states (`[B, m, config.target_feature_size]`): target features f_t of the same pairs.
 
         Returns:
             a `DraftTree` (with ``scores``) for a single row, else a `BatchedTree`.
@@ -185,7 +186,7 @@ class PosSProposer:
         for step in range(1, depth):
             specialist = draft.config.specialist_for_step(step)
             layer = draft.layers[specialist]
-            hidden = draft.fuse(frontier_tokens, frontier_features)  # [B, k, H]
+            hidden = draft.fuse(frontier_tokens, frontier_features)  # [B, k, F]: the draft's own H-wide features
             node_positions = (root_positions + step).expand(batch, k)
             state.add(hidden, node_positions, frontier_rows)
             total = state.hidden.shape[1]
