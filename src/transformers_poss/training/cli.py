@@ -165,13 +165,14 @@ def build_draft(config: PosSTrainConfig, target, train_dataset, tokenizer):
     the first training features (``feature_fc_init: fit``) or set to the identity on the highest layer."""
     from ..configuration_poss import PosSDraftConfig
     from ..modeling_poss import PosSDraftModel
+    from .recipe_checks import draft_shape_fields
     from .warm_start import feature_pairs, fit_feature_fc, init_specialists, is_warm_start, load_source
 
     spec = config.draft
     draft_config = PosSDraftConfig.for_target(
         target.config, num_specialists=spec.num_specialists, positions_per_specialist=spec.positions_per_specialist,
         intermediate_size=spec.intermediate_size, name_or_path=config.script.target,
-        **({"feature_layers": list(spec.feature_layers)} if spec.feature_layers else {}),
+        **draft_shape_fields(spec),
     )
     draft = PosSDraftModel(draft_config)
     if spec.init_from:

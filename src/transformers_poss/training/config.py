@@ -72,6 +72,10 @@ class PosSDraftArguments:
         metadata={"help": "Target hidden states the draft reads, EAGLE-3 style (indices into hidden_states: 0 = "
                           "embeddings, num_hidden_layers = post-norm), e.g. 2 15 27; None: the post-norm feature."},
     )
+    layer_style: Literal["eagle2", "eagle3"] = field(
+        default="eagle2",
+        metadata={"help": "Specialist layers: eagle2 (fc, then a decoder layer) or eagle3 (EAGLE-3's midlayer)."},
+    )
     feature_fc_init: Literal["fit", "identity"] = field(
         default="fit",
         metadata={"help": "Warm start of a feature_layers draft from a single-feature init_from draft: feature_fc "

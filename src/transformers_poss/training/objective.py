@@ -40,7 +40,8 @@ from torch.utils.checkpoint import checkpoint
 from .losses import SoftCrossEntropy, chain_counts, topk_cross_entropy
 
 __all__ = ["ObjectiveFields", "ObjectiveConfig", "EAGLE3_OBJECTIVE", "check_objective", "set_objective",
-           "get_objective", "unroll", "training_forward", "step_attention_mask", "step_loss_weights", "SoftCrossEntropy"]
+           "get_objective", "unroll", "training_forward", "step_attention_mask", "step_loss_weights", "SoftCrossEntropy",
+           "soft_label_logits"]
 
 
 @dataclass
@@ -193,12 +194,6 @@ def _add_noise(features: torch.Tensor, objective: ObjectiveConfig) -> torch.Tens
     return features + torch.randn_like(features) * objective.noise_scale
 
 
-def _fused_target_features(draft, features: torch.Tensor) -> torch.Tensor:
-    """`[B, T, k * H]` target features -> `[B, T, H]` (``draft.fuse_target_features``; identity for `[B, T, H]`)."""
-    fuse = getattr(draft, "fuse_target_features", None)
-    return features if fuse is None else fuse(features)
-
-
 def unroll(draft, input_ids, target_hidden_states, num_steps: int, chunk_size: int = 256) -> list[torch.Tensor]:
     """Run the K unrolled steps; returns ``[out^0, ..., out^{K-1}]``, each `[B, T, H]`.
 
@@ -209,8 +204,8 @@ def unroll(draft, input_ids, target_hidden_states, num_steps: int, chunk_size: i
     """
     batch, length = input_ids.shape
     positions = torch.arange(length, device=input_ids.device)[None].expand(batch, -1)
-    # rows[j]: fused inputs of step j, [B, T, H]; the target's k-layer features are fused to H first
-    rows = [draft.fuse(input_ids, _fused_target_features(draft, target_hidden_states))]
+    # rows[j]: fused inputs of step j, [B, T, config.fused_size]; target features are fused to H first
+    rows = [draft.fuse(input_ids, draft.fuse_target_features(target_hidden_states))]
     pos_emb = draft.position_embeddings(rows[0], positions)
     kv_cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     outputs = []
@@ -243,12 +238,26 @@ def _step_masks(loss_mask: torch.Tensor, num_steps: int) -> list[torch.BoolTenso
     return [mask & (positions >= k) for k in range(num_steps)]
 
 
+def soft_label_logits(draft, features: torch.Tensor) -> torch.Tensor:
+    """The TARGET's logits `[..., V']` over the drafting vocabulary of `[..., H]` target post-norm features: the
+    soft labels. The target's lm_head rows, never the draft's final norm (``eagle3`` style) or own lm_head."""
+    public = getattr(draft, "target_logits", None)
+    if callable(public):
+        return public(features)
+    if getattr(draft, "norm", None) is None and getattr(draft, "lm_head", None) is None:
+        return draft.compute_logits(features)  # the target's lm_head (rows), as drafting uses it
+    if getattr(draft, "_target_lm_head", None) is None:
+        raise RuntimeError("Training needs the target attached (`draft.attach_target(target)`): its lm_head gives "
+                           "the soft labels.")
+    weight, bias = draft._head_weight()
+    return F.linear(features.to(weight.dtype), weight, bias)
+
+
 def _check_widths(draft, target_hidden_states, target_last_hidden_state):
     """Clear errors for features that are not the ones this draft reads (multi-layer vs post-norm features)."""
     config = draft.config
-    layers = getattr(config, "feature_layers", None)
-    width = getattr(config, "target_feature_size", None) or config.hidden_size * (len(layers) if layers else 1)
-    if target_hidden_states.shape[-1] != width:
+    layers = config.feature_layers
+    if target_hidden_states.shape[-1] != config.target_feature_size:
         wanted = f"feature_layers={list(layers)} ({len(layers)} x {config.hidden_size})" if layers else \
             f"the post-norm feature ({config.hidden_size})"
         raise ValueError(f"target_hidden_states are {target_hidden_states.shape[-1]} wide, but this draft reads "
@@ -304,7 +313,7 @@ def training_forward(draft, input_ids, target_hidden_states, loss_mask, objectiv
     base = masks[0]  # every step's rows are a subset of these M0 rows; other rows get weight 0
     pred_rows = next_features[base]  # [M0, H]
     with torch.no_grad():
-        target_logits = draft.compute_logits(pred_rows).float()  # [M0, V]
+        target_logits = soft_label_logits(draft, pred_rows).float()  # [M0, V']
         target_probs = torch.softmax(target_logits, dim=-1)
         target_top1 = target_logits.argmax(-1)
         target_logp = torch.log_softmax(target_logits, dim=-1) if objective.topk_weight else None

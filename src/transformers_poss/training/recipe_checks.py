@@ -104,12 +104,20 @@ def check_recipe(config) -> None:
         raise ValueError("no training data: give --train, --prompts or --synthesize_prompts.")
 
 
+def draft_shape_fields(draft) -> dict:
+    """The `PosSDraftConfig.for_target` keywords of a [`PosSDraftArguments`] beyond S, N and the MLP width."""
+    out = {"layer_style": draft.layer_style}
+    if draft.feature_layers:
+        out["feature_layers"] = list(draft.feature_layers)
+    return out
+
+
 def check_draft_fits(config, target) -> None:
     """Build the draft config for ``target`` as the training stage will (before data and features are made)."""
     from ..configuration_poss import PosSDraftConfig
 
     draft = config.draft
-    extra = {"feature_layers": list(draft.feature_layers)} if draft.feature_layers else {}
+    extra = draft_shape_fields(draft)
     try:
         PosSDraftConfig.for_target(target.config, num_specialists=draft.num_specialists,
                                    positions_per_specialist=draft.positions_per_specialist,

@@ -164,8 +164,17 @@ def init_specialists(draft, source, copy_fc: bool = True, copy_token_map: bool =
         layer.load_state_dict(source.layers[min(i, len(source.layers) - 1)].state_dict())
     if copy_fc:
         theirs = source.state_dict()
-        for key, value in draft.state_dict().items():
-            if key.startswith("layers.") or key == "draft_to_target" or key not in theirs:
+        shared = {k: v for k, v in draft.state_dict().items() if not k.startswith("layers.") and k != "draft_to_target"}
+        missing = [k for k in shared if k not in theirs and not (warm and k.startswith("feature_fc."))]
+        if missing:
+            raise ValueError(f"The source draft has no {', '.join(sorted(missing))}: it cannot start this draft (they "
+                             "would stay random); start from a draft with the same modules (own_lm_head, "
+                             "own_embeddings).")
+        unused = [k for k in theirs if not k.startswith("layers.") and k != "draft_to_target" and k not in shared]
+        if unused:
+            logger.warning("init_specialists: the source's %s are not used by this draft.", ", ".join(sorted(unused)))
+        for key, value in shared.items():
+            if key not in theirs:
                 continue
             if theirs[key].shape != value.shape:
                 raise ValueError(f"Cannot initialise {key} {tuple(value.shape)} from the source's "
