@@ -57,6 +57,10 @@ def _init_from(draft) -> None:
     if source_vocab and draft.draft_vocab_size and draft.draft_vocab_size != source_vocab:
         raise ValueError(f"--draft_vocab_size {draft.draft_vocab_size} differs from the vocabulary of --init_from "
                          f"({source_vocab} tokens), which is kept: drop the setting or set it to the source's size.")
+    source_style = source.get("layer_style", "eagle2")
+    if source.get("model_type") == "poss_draft" and source_style != draft.layer_style:
+        raise ValueError(f"--init_from {draft.init_from} has {source_style!r} layers; this draft has "
+                         f"{draft.layer_style!r} layers: set --layer_style {source_style} or start from another draft.")
     source_layers, layers = source.get("feature_layers") or None, list(draft.feature_layers or []) or None
     if source_layers is not None and source_layers != layers:
         raise ValueError(f"--init_from {draft.init_from} reads feature_layers={source_layers}; this draft reads "
