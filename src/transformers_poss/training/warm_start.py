@@ -10,7 +10,9 @@ start.
   (`fit_feature_fc`: least squares from stored features onto the post-norm feature). This is a warm start, not an
   equivalence: the two drafts compute the same function only when the post-norm layer is selected (identity, or a
   fit without residual); from intermediate layers the fused feature is the best linear stand-in, which training
-  then improves.
+  then improves. Prefer the fit there: intermediate hidden states are not normalised (on SmolLM2 layer 27's are
+  ~10x the post-norm feature's norm), so the identity start drafts nothing useful (top-1 agreement 0.00 at depth 1
+  with the EAGLE-2 draft's layer, against 0.58 after a fit on 11k tokens and 0.67 for the EAGLE-2 draft itself).
 
 Other sources are refused with a message (another target's shape, another layer style, other feature layers, a
 multi-layer source into a single-feature draft).
@@ -79,7 +81,7 @@ def set_feature_fc_identity(draft) -> None:
         draft.feature_fc.bias.zero_()
 
 
-def feature_pairs(dataset, draft, target=None, max_tokens: int = 16384, batch_size: int = 8):
+def feature_pairs(dataset, draft, target=None, max_tokens: int = 32768, batch_size: int = 8):
     """Up to ``max_tokens`` rows ``(features [N, k * H], post-norm features [N, H])`` of the layers ``draft`` reads,
     from the first items of a dataset: stored features ([`FeatureShardDataset`]) or, with ``target``, tokenized
     items run through it."""
@@ -109,12 +111,14 @@ def feature_pairs(dataset, draft, target=None, max_tokens: int = 16384, batch_si
 
 
 @torch.no_grad()
-def fit_feature_fc(draft, pairs, ridge: float = 1e-6) -> float:
+def fit_feature_fc(draft, pairs, ridge: float = 1e-4) -> float:
     """Set ``feature_fc`` to the least-squares map of target features onto the post-norm feature.
 
     Args:
         pairs: iterable of ``(features [N, k * H], post-norm features [N, H])`` (e.g. `feature_pairs`).
-        ridge: Tikhonov term, relative to the mean diagonal of the normal matrix (keeps collinear layers stable).
+        ridge: Tikhonov term, relative to the mean diagonal of the normal matrix (keeps collinear layers stable
+            and the fit general: on SmolLM2's layers [2, 15, 27], 11k tokens, held-out R^2 0.80 at 1e-6, 0.82 at
+            1e-4).
     Returns:
         the share of the post-norm features' variance the fused feature explains (R^2; 1.0 when the post-norm layer
         is selected).
