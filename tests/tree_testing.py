@@ -197,13 +197,19 @@ def tiny_tokenizer():
 
 def train_draft_briefly(target, draft, prompts, steps=150, lr=3e-3, new_tokens=48, seed=0):
     """Fit the draft's specialists to the target's own greedy continuations of ``prompts`` (feature regression +
-    next-token cross-entropy through the target's lm_head)."""
+    next-token cross-entropy through the draft's logits). The draft reads the target hidden states of its
+    ``feature_layers`` (the post-norm ones without); the regression target is the next post-norm feature."""
     torch.manual_seed(seed)
+    layers = draft.config.feature_layers
     with torch.no_grad():
         sequences = [target.generate(p, max_new_tokens=new_tokens, do_sample=False) for p in prompts]
         features = [target.model(s).last_hidden_state for s in sequences]
         labels = [target.lm_head(f).argmax(-1) for f in features]
+        inputs = features if layers is None else [
+            torch.cat([target(s, output_hidden_states=True).hidden_states[i] for i in layers], -1) for s in sequences
+        ]
     head = target.get_output_embeddings()
+    logits_of = head if draft.lm_head is None and draft.norm is None else draft.compute_logits
     head.requires_grad_(False)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=lr)
@@ -213,10 +219,10 @@ def train_draft_briefly(target, draft, prompts, steps=150, lr=3e-3, new_tokens=4
         seq, feat, lab = sequences[i], features[i], labels[i]
         loss = 0.0
         for specialist in range(draft.config.num_specialists):
-            out = draft(input_ids=seq[:, 1:], target_hidden_states=feat[:, :-1], specialist=specialist)
+            out = draft(input_ids=seq[:, 1:], target_hidden_states=inputs[i][:, :-1], specialist=specialist)
             predicted = out.last_hidden_state
             loss = loss + torch.nn.functional.smooth_l1_loss(predicted, feat[:, 1:])
-            logits = head(predicted)
+            logits = logits_of(predicted)
             loss = loss + torch.nn.functional.cross_entropy(logits[0], lab[0, 1:])
         optimizer.zero_grad()
         loss.backward()

@@ -119,7 +119,8 @@ def batched_tree_decoding(model, input_ids, logits_processor, stopping_criteria,
     cache = full_layer_cache()
     proposer = make_batched_proposer(draft, depth, top_k, batch_total_tokens(total_tokens, top_k, input_ids.shape[0]))
 
-    logits, features = prefill_batch(model, input_ids, layout, cache)
+    feature_layers = draft.config.feature_layers  # features [B, T, k*H]: the target hidden states the draft reads
+    logits, features = prefill_batch(model, input_ids, layout, cache, feature_layers)
     scores = logits_processor(input_ids, logits.float().to(input_ids.device))
     if do_sample:
         first = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)[:, 0]
@@ -157,7 +158,7 @@ def batched_tree_decoding(model, input_ids, logits_processor, stopping_criteria,
         stats.add_time("drafting", time.perf_counter() - clock)
 
         clock = time.perf_counter()
-        logits, features = verify_batch(model, tree, layout, cache)
+        logits, features = verify_batch(model, tree, layout, cache, feature_layers)
         stats.add_time("verification", time.perf_counter() - clock)
 
         clock = time.perf_counter()

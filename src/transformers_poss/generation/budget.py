@@ -125,6 +125,9 @@ def profile_key(target, draft=None, top_k: int | None = None) -> str:
     if draft is not None:
         parts += [str(draft.config.num_specialists), str(draft.config.draft_vocab_size), str(top_k),
                   str(getattr(draft, "_poss_quantized", None))]
+        config = draft.config
+        if config.feature_layers is not None or config.layer_style != "eagle2" or config.own_lm_head:
+            parts += [str(config.feature_layers), config.layer_style, str(config.own_lm_head)]  # other draft costs
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 

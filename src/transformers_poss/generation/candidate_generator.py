@@ -145,7 +145,8 @@ class PosSCandidateGenerator(CandidateGenerator):
             input_ids (`torch.LongTensor` of shape `[1, T]`): the sequence so far; its last token is the root.
             new_tokens (`torch.LongTensor` of shape `[1, m]`): tokens x_{t+1} of the context pairs accepted since the
                 previous call (the last one is the root).
-            new_features (`torch.Tensor` of shape `[1, m, H]`): the target features f_t of the same pairs.
+            new_features (`torch.Tensor` of shape `[1, m, k*H]`): the target features f_t of the same pairs (k*H =
+                ``draft.config.target_feature_size``).
 
         Returns:
             `(tree, None)`: the tree on the device of ``input_ids``; no candidate logits (the draft is deterministic).

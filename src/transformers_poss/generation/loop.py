@@ -33,7 +33,7 @@ from .candidate_generator import PosSCandidateGenerator
 from .emission import Emitter, first_token
 from .handover import continue_with_stock_loop
 from .outputs import PosSGenerateOutput
-from .target_forward import FEATURE_LAYER, verify_tree
+from .target_forward import feature_request, read_features, verify_tree
 from .validation import check_inputs
 
 
@@ -82,9 +82,11 @@ def tree_assisted_decoding(
     if context_mask is not None and bool(context_mask.all()):
         context_mask = None  # no padding: chains take the unmasked causal path, trees a mask without padding holes
 
-    # prefill: last-position logits and every prompt position's features in the same forward
-    outputs = prefill(self, input_ids, generation_config, {**model_kwargs, "output_hidden_states": FEATURE_LAYER})
-    new_features = outputs.hidden_states[FEATURE_LAYER]
+    # prefill: last-position logits and every prompt position's features (those the draft reads) in the same forward
+    feature_layers = candidate_generator.draft.config.feature_layers
+    outputs = prefill(self, input_ids, generation_config,
+                      {**model_kwargs, "output_hidden_states": feature_request(feature_layers)})  # fmt: skip
+    new_features = read_features(outputs.hidden_states, feature_layers)  # [1, T, k*H]
     if new_features.shape[1] != input_ids.shape[1]:
         raise ValueError("Tree speculative decoding needs the features of the whole prompt: unset prefill_chunk_size.")
     prepare_cache_for_tree(cache)
@@ -104,7 +106,7 @@ def tree_assisted_decoding(
         clock = time.perf_counter()
         past_length = cache.get_seq_length()
         root_position = past_length if context_mask is None else int(context_mask.sum().item())
-        logits, features = verify_tree(self, tree, cache, root_position, context_mask)
+        logits, features = verify_tree(self, tree, cache, root_position, context_mask, feature_layers)
         logits = logits.to(dtype=torch.float32, device=input_ids.device)
         stats.add_time("verification", time.perf_counter() - clock)
 
