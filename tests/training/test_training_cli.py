@@ -156,6 +156,11 @@ def test_poss_train_warm_starts_a_feature_layers_draft(tmp_path, tiny_chat_targe
                                atol=0.05)  # started from the EAGLE-2 layer (two steps later)
     recipe = json.loads((out / "final" / "training_recipe.json").read_text())["config"]
     assert recipe["draft"]["feature_layers"] == [0] and recipe["training"]["step_weight_decay"] == 0.8
+    prompt = torch.tensor([[1, 5, 9, 14, 2, 7]])  # the trained draft drafts for its target, losslessly
+    with torch.no_grad():
+        plain = model.generate(prompt, max_new_tokens=12, do_sample=False)
+        drafted = model.generate(prompt, assistant_model=draft, max_new_tokens=12, do_sample=False)
+    assert torch.equal(drafted, plain)
     # the same features folder refuses a draft of another layout
     plain = flags[:flags.index("--feature_layers")] + flags[flags.index("--feature_layers") + 2:]
     assert main(plain + ["--init_from", "None", "--stage", "features"]) != 0
