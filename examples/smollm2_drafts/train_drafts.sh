@@ -9,6 +9,14 @@
 #
 #   bash examples/smollm2_drafts/train_drafts.sh [--train-only | --bench-only] [KIND ...]   # default: eagle2c hass poss2
 #
+# Kinds: eagle2 (stage 1), eagle2c, hass, poss1, poss2, poss3, and the EAGLE-3-style ones, which read three target
+# layers ([2, 15, 27], multi-layer features computed once into RUNS/smollm2-features-e3, same conversations):
+#   eagle3   one layer, six unrolled steps, token loss only (recipe_eagle3.yaml), warm-started from BASE
+#   poss2e3  PosS-2 on EAGLE-3: 3 specialists x 2 positions started from the trained eagle3 draft (recipe_poss2e3.yaml)
+#   eagle3c  the eagle3 draft continued for the same compute as poss2e3 (the fair baseline for it)
+# poss2e3 and eagle3c start from RUNS/smollm2-eagle3/final: after eagle3 in the same call, or in a later one
+# (`--train-only eagle3`, then `--train-only poss2e3 eagle3c`).
+#
 # Compute per draft: the continued EAGLE-2 draft gets as many unrolled draft steps as a six-step draft (6 optimiser
 # steps for each of theirs, same batch), chosen one of two ways:
 #   EPOCHS=E          six-step drafts train E epochs, the continued EAGLE-2 draft 6 x E epochs; the default, E = 1
@@ -38,11 +46,27 @@ declare -A SHAPE=(
   [poss1]="6 1"     # six specialists, one position each
   [poss2]="3 2"     # three specialists, two positions each
   [poss3]="2 3"     # two specialists, three positions each
+  [eagle3]="1 6"    # EAGLE-3 style: one layer, six steps of training-time test, three target layers
+  [poss2e3]="3 2"   # PosS-2 on the EAGLE-3-style draft
+  [eagle3c]="1 6"   # the EAGLE-3-style draft continued
 )
+E3_RECIPE=examples/smollm2_drafts/recipe_eagle3.yaml
+E3_FEATURES="$RUNS/smollm2-features-e3"
+E3_FINAL="$RUNS/smollm2-eagle3/final"
+is_e3() { case "$1" in eagle3|poss2e3|eagle3c) return 0 ;; *) return 1 ;; esac; }
+after_e3() { case "$1" in poss2e3|eagle3c) return 0 ;; *) return 1 ;; esac; }   # start from the trained eagle3 draft
+recipe_of() { case "$1" in poss2e3) echo examples/smollm2_drafts/recipe_poss2e3.yaml ;; eagle3|eagle3c) echo "$E3_RECIPE" ;;
+  *) echo "$RECIPE" ;; esac; }
 if [ $# -gt 0 ]; then KINDS=("$@"); else KINDS=(eagle2c hass poss2); fi
-COMMON=(--config "$RECIPE" --features_dir "$RUNS/smollm2-features")
-[ -n "$MAX_CONVERSATIONS" ] && COMMON+=(--max_conversations "$MAX_CONVERSATIONS")
+for kind in "${KINDS[@]}"; do [ -n "${SHAPE[$kind]:-}" ] || { echo "unknown kind $kind (${!SHAPE[*]})"; exit 2; }; done
+LIMIT=(); [ -n "$MAX_CONVERSATIONS" ] && LIMIT=(--max_conversations "$MAX_CONVERSATIONS")
+COMMON=(--config "$RECIPE" --features_dir "$RUNS/smollm2-features" "${LIMIT[@]}")
 mkdir -p "$RUNS/logs"
+want_e2=""; want_e3=""; SHOWN=("${KINDS[@]}")   # SHOWN: the kinds evaluated and benchmarked
+for kind in "${KINDS[@]}"; do if is_e3 "$kind"; then want_e3=1; else want_e2=1; fi; done
+if [ -n "$want_e3" ] && [[ " ${KINDS[*]} " != *" eagle3 "* ]] && [ -f "$E3_FINAL/config.json" ]; then
+  SHOWN=(eagle3 "${SHOWN[@]}")   # the drafts started from eagle3 are shown beside it
+fi
 
 if [ "$MODE" != bench ]; then
   if [ ! -f "$BASE/config.json" ]; then
@@ -51,53 +75,85 @@ if [ "$MODE" != bench ]; then
       --init_from None --learning_rate 1e-3 --warmup_steps 50 --fc_learning_rate_scale 1 --num_train_epochs 8
     mkdir -p "$BASE" && cp "$RUNS/smollm2-eagle2/final/"* "$BASE/"
   fi
-  echo "== features (computed once, shared by every draft)"
-  poss train "${COMMON[@]}" --output_dir "$RUNS/smollm2-features-run" --stage features
-  pids=(); names=()
-  first_deep=""
-  for kind in $(for k in "${KINDS[@]}"; do read -r S N <<<"${SHAPE[$k]}"; echo "$((S * N)) $k"; done | sort -rn | cut -d' ' -f2); do
-    read -r S N <<<"${SHAPE[$kind]}"
-    if [ $((S * N)) -gt 1 ]; then
-      if [ -n "$BUDGET_MINUTES" ]; then
-        compute=(--train_budget_minutes "$BUDGET_MINUTES" --num_train_epochs "$EPOCHS")
-      else
-        compute=(--num_train_epochs "$EPOCHS")
-      fi
-      [ -z "$first_deep" ] && first_deep=$kind
-      fc=$FC_LR_SCALE
-    else
-      if [ -n "$BUDGET_MINUTES" ] && [ -n "$first_deep" ]; then
-        schedule="$RUNS/smollm2-$first_deep/schedule.json"
-        while [ ! -f "$schedule" ]; do sleep 10; done   # written once the six-step draft has timed its batches
-        steps=$(python -c "import json; print(6 * json.load(open('$schedule'))['max_steps'])")
-        compute=(--max_steps "$steps")
-      else
-        compute=(--num_train_epochs "$(awk -v e="$EPOCHS" 'BEGIN { print 6 * e }')")
-      fi
-      fc=1.0   # a one-step draft has no later steps pulling on fc
-    fi
-    echo "== stage 2: $kind (S=$S N=$N) from $BASE, ${compute[*]}, fc lr x $fc"
-    OMP_NUM_THREADS=$THREADS poss train "${COMMON[@]}" --output_dir "$RUNS/smollm2-$kind" \
-      --num_specialists "$S" --positions_per_specialist "$N" --init_from "$BASE" \
-      --learning_rate "$LR" --warmup_steps 20 --fc_learning_rate_scale "$fc" \
-      "${compute[@]}" >"$RUNS/logs/$kind.log" 2>&1 &
-    pids+=($!); names+=("$kind")
-    sleep 30   # one process at a time checks the shared feature shards
-  done
+  if [ -n "$want_e2" ]; then
+    echo "== features (computed once, shared by every single-feature draft)"
+    poss train "${COMMON[@]}" --output_dir "$RUNS/smollm2-features-run" --stage features
+  fi
+  if [ -n "$want_e3" ]; then
+    echo "== multi-layer features [2, 15, 27] + post-norm (computed once, shared by the EAGLE-3-style drafts)"
+    poss train --config "$E3_RECIPE" --features_dir "$E3_FEATURES" "${LIMIT[@]}" --init_from "$BASE" \
+      --output_dir "$RUNS/smollm2-features-e3-run" --stage features
+  fi
   status=0
-  for i in "${!pids[@]}"; do
-    if ! wait "${pids[$i]}"; then echo "!! ${names[$i]} failed:"; tail -20 "$RUNS/logs/${names[$i]}.log"; status=1; fi
+  # phase 1: the kinds that start from BASE; phase 2: those that start from the trained eagle3 draft
+  for phase in 1 2; do
+    phase_kinds=()
+    for kind in "${KINDS[@]}"; do
+      if { [ "$phase" = 1 ] && ! after_e3 "$kind"; } || { [ "$phase" = 2 ] && after_e3 "$kind"; }; then phase_kinds+=("$kind"); fi
+    done
+    [ ${#phase_kinds[@]} -gt 0 ] || continue
+    if [ "$phase" = 2 ] && [ ! -f "$E3_FINAL/config.json" ]; then
+      echo "!! ${phase_kinds[*]} start from $E3_FINAL: train eagle3 first (train_drafts.sh --train-only eagle3)"; exit 1
+    fi
+    pids=(); names=()
+    first_deep=""
+    for kind in $(for k in "${phase_kinds[@]}"; do read -r S N <<<"${SHAPE[$k]}"; echo "$((S * N)) $k"; done | sort -rn | cut -d' ' -f2); do
+      read -r S N <<<"${SHAPE[$kind]}"
+      if [ $((S * N)) -gt 1 ]; then
+        if [ -n "$BUDGET_MINUTES" ]; then
+          compute=(--train_budget_minutes "$BUDGET_MINUTES" --num_train_epochs "$EPOCHS")
+        else
+          compute=(--num_train_epochs "$EPOCHS")
+        fi
+        [ -z "$first_deep" ] && first_deep=$kind
+        fc=$FC_LR_SCALE
+      else
+        if [ -n "$BUDGET_MINUTES" ] && [ -n "$first_deep" ]; then
+          schedule="$RUNS/smollm2-$first_deep/schedule.json"
+          while [ ! -f "$schedule" ]; do sleep 10; done   # written once the six-step draft has timed its batches
+          steps=$(python -c "import json; print(6 * json.load(open('$schedule'))['max_steps'])")
+          compute=(--max_steps "$steps")
+        else
+          compute=(--num_train_epochs "$(awk -v e="$EPOCHS" 'BEGIN { print 6 * e }')")
+        fi
+        fc=1.0   # a one-step draft has no later steps pulling on fc
+      fi
+      from=$BASE; features="$RUNS/smollm2-features"; extra=()
+      if is_e3 "$kind"; then
+        features=$E3_FEATURES
+        if after_e3 "$kind"; then
+          from=$E3_FINAL; extra=(--feature_fc_learning_rate_scale "$fc")   # trained feature_fc: as slow as fc
+        else
+          extra=(--feature_fc_learning_rate_scale 1.0)   # the warm start's new feature_fc learns at the full rate
+        fi
+      fi
+      echo "== stage 2: $kind (S=$S N=$N) from $from, ${compute[*]}, fc lr x $fc"
+      OMP_NUM_THREADS=$THREADS poss train --config "$(recipe_of "$kind")" --features_dir "$features" "${LIMIT[@]}" \
+        --output_dir "$RUNS/smollm2-$kind" --num_specialists "$S" --positions_per_specialist "$N" --init_from "$from" \
+        --learning_rate "$LR" --warmup_steps 20 --fc_learning_rate_scale "$fc" "${extra[@]}" \
+        "${compute[@]}" >"$RUNS/logs/$kind.log" 2>&1 &
+      pids+=($!); names+=("$kind")
+      sleep 30   # one process at a time checks the shared feature shards
+    done
+    for i in "${!pids[@]}"; do
+      if ! wait "${pids[$i]}"; then echo "!! ${names[$i]} failed:"; tail -20 "$RUNS/logs/${names[$i]}.log"; status=1; fi
+    done
+    [ $status -eq 0 ] || exit $status
   done
-  [ $status -eq 0 ] || exit $status
   echo "== held-out accuracy by position"
-  LABELS=("eagle2=$BASE"); for kind in "${KINDS[@]}"; do LABELS+=("$kind=$RUNS/smollm2-$kind/final"); done
-  python examples/smollm2_drafts/eval_drafts.py --features "$RUNS/smollm2-features/eval" "${LABELS[@]}" \
+  LABELS=(); HELDOUT=()
+  if [ -f "$RUNS/smollm2-features/eval/features.json" ]; then   # the single-feature drafts and the eagle2 baseline
+    LABELS+=("eagle2=$BASE"); HELDOUT+=(--features "$RUNS/smollm2-features/eval")
+  fi
+  [ -n "$want_e3" ] && HELDOUT+=(--features "$E3_FEATURES/eval")   # the same held-out conversations, three layers
+  for kind in "${SHOWN[@]}"; do LABELS+=("$kind=$RUNS/smollm2-$kind/final"); done
+  python examples/smollm2_drafts/eval_drafts.py "${HELDOUT[@]}" "${LABELS[@]}" \
     --output "$RUNS/heldout.json" --plot "$RUNS/heldout.png"
 fi
 [ "$MODE" = train ] && exit 0
 # one greedy run on MT-Bench, int8: every draft with the fixed 16-node tree (depth 6, top-k 4) and with its automatic
 # budget (at most 16 nodes), each output checked against plain decoding of the same int8 target
-DRAFTS=(--draft "eagle2=$BASE"); for kind in "${KINDS[@]}"; do DRAFTS+=(--draft "$kind=$RUNS/smollm2-$kind/final"); done
+DRAFTS=(--draft "eagle2=$BASE"); for kind in "${SHOWN[@]}"; do DRAFTS+=(--draft "$kind=$RUNS/smollm2-$kind/final"); done
 poss bench --target smollm2-135m-instruct "${DRAFTS[@]}" --quantize int8 \
   --questions ../shared/data/mt_bench.jsonl --num-prompts "$PROMPTS" --max-new-tokens 96 \
   --sweep --sweep-depths 6 --sweep-total-tokens 16,auto --no-sweep-chains --tree-top-k 4 \

@@ -92,9 +92,79 @@ def test_help_lists_every_field_with_its_default(capsys):
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--num_specialists", "--init_from", "--max_conversations", "--learning_rate", "--step_weights",
-                 "--fc_learning_rate_scale", "--train_budget_minutes", "--features_dir", "--config"):
+                 "--fc_learning_rate_scale", "--train_budget_minutes", "--features_dir", "--config", "--feature_layers",
+                 "--layer_style", "--feature_fc_init", "--step_weight_decay", "--feature_fc_learning_rate_scale"):
         assert flag in text
     assert "(default: 0.02)" in text  # eval_fraction
+
+
+def test_eagle3_settings_as_flags_and_recipe_fields(tmp_path):
+    """feature_layers, layer_style, the warm start and EAGLE-3's objective: typed flags / recipe fields whose defaults
+    leave today's runs unchanged."""
+    default = parse_train_args(["--target", "x"])
+    assert default.draft.feature_layers is None and default.draft.layer_style == "eagle2"
+    assert default.draft.feature_fc_init == "fit"
+    training = default.training
+    assert (training.feature_weight, training.ce_weight, training.step_weight_decay) == (1.0, 0.1, 1.0)
+    assert training.num_unrolled_steps is None and training.feature_fc_learning_rate_scale == 1.0
+    config = parse_train_args(["--target", "x", "--feature_layers", "2", "15", "27", "--layer_style", "eagle3",
+                               "--feature_fc_init", "identity", "--feature_weight", "0", "--ce_weight", "1",
+                               "--step_weight_decay", "0.8", "--num_unrolled_steps", "6",
+                               "--feature_fc_learning_rate_scale", "0.5"])
+    assert config.draft.feature_layers == [2, 15, 27] and config.draft.layer_style == "eagle3"
+    assert config.draft.feature_fc_init == "identity"
+    objective = config.training.objective()
+    assert (objective.feature_weight, objective.ce_weight, objective.step_weight_decay) == (0.0, 1.0, 0.8)
+    assert objective.num_unrolled_steps == 6 and config.training.feature_fc_learning_rate_scale == 0.5
+    for recipe in ("recipe_eagle3.yaml", "recipe_poss2e3.yaml"):  # the shipped SmolLM2 recipes parse
+        shipped = parse_train_args(["--config", f"examples/smollm2_drafts/{recipe}"])
+        assert shipped.draft.feature_layers == [2, 15, 27] and shipped.training.feature_weight == 0.0
+        assert shipped.training.step_weight_decay == 0.8 and shipped.draft.num_specialists * \
+            shipped.draft.positions_per_specialist == 6
+    path = tmp_path / "recipe.yaml"
+    path.write_text("target: x\ndraft: {feature_layers: [0, 3]}\n")
+    assert parse_train_args(["--config", str(path)]).draft.feature_layers == [0, 3]
+    assert parse_train_args(["--config", str(path), "--feature_layers", "None"]).draft.feature_layers is None
+    with pytest.raises(SystemExit, match="step_weight_decay"):
+        parse_train_args(["--target", "x", "--step_weight_decay", "0"])
+    with pytest.raises(SystemExit, match="layer_style"):
+        parse_train_args(["--target", "x", "--layer_style", "eagle4"])
+
+
+def test_poss_train_warm_starts_a_feature_layers_draft(tmp_path, tiny_chat_target, capsys):
+    """An EAGLE-3-style run from a saved EAGLE-2 draft: multi-layer shards, a fitted feature_fc, a loadable draft."""
+    folder, model, _ = tiny_chat_target
+    from transformers_poss import PosSDraftConfig, PosSDraftModel
+
+    eagle = PosSDraftModel(PosSDraftConfig.for_target(model.config)).attach_target(model)
+    eagle.save_pretrained(tmp_path / "eagle2")
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(c) for c in _conversations(8)))
+    out = tmp_path / "run"
+    flags = ["train", "--target", folder, "--train", str(data), "--eval_fraction", "0.25", "--max_length", "64",
+             "--num_specialists", "1", "--positions_per_specialist", "2", "--feature_layers", "0",
+             "--init_from", str(tmp_path / "eagle2"), "--feature_weight", "0", "--ce_weight", "1",
+             "--step_weight_decay", "0.8", "--max_steps", "2", "--per_device_train_batch_size", "2",
+             "--report_to", "none", "--use_cpu", "true", "--save_steps", "1", "--disable_tqdm", "true",
+             "--eval_strategy", "no", "--output_dir", str(out)]
+    assert main(flags) == 0
+    index = json.loads((out / "features" / "train" / "features.json").read_text())
+    assert index["feature_layers"] == [0] and index["last_hidden_state"] == "stored"
+    draft = PosSDraftModel.from_pretrained(out / "final")
+    assert draft.config.feature_layers == [0] and draft.feature_fc is not None
+    torch.testing.assert_close(draft.layers[0].mlp.up_proj.weight, eagle.layers[0].mlp.up_proj.weight, rtol=0.2,
+                               atol=0.05)  # started from the EAGLE-2 layer (two steps later)
+    recipe = json.loads((out / "final" / "training_recipe.json").read_text())["config"]
+    assert recipe["draft"]["feature_layers"] == [0] and recipe["training"]["step_weight_decay"] == 0.8
+    prompt = torch.tensor([[1, 5, 9, 14, 2, 7]])  # the trained draft drafts for its target, losslessly
+    with torch.no_grad():
+        plain = model.generate(prompt, max_new_tokens=12, do_sample=False)
+        drafted = model.generate(prompt, assistant_model=draft, max_new_tokens=12, do_sample=False)
+    assert torch.equal(drafted, plain)
+    # the same features folder refuses a draft of another layout
+    plain = flags[:flags.index("--feature_layers")] + flags[flags.index("--feature_layers") + 2:]
+    assert main(plain + ["--init_from", "None", "--stage", "features"]) != 0
+    assert "holds target features of feature_layers=[0]" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("features", ["offline", "online"])

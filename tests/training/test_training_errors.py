@@ -193,6 +193,27 @@ def test_draft_shape_is_checked_against_the_target(tmp_path, target):
         check_draft_fits(_run_config(tmp_path, "--draft_vocab_size", "500"), target)
 
 
+def test_feature_layers_and_init_from_layouts_are_checked_before_the_data_stage(tmp_path):
+    from transformers_poss.training.recipe_checks import check_draft_fits, check_recipe
+
+    target = tiny_llama(layers=4)
+    e3 = tiny_draft(target, num_specialists=1, feature_layers=[1, 2, 4])
+    e3.save_pretrained(tmp_path / "e3")
+    tiny_draft(target, num_specialists=1, layer_style="eagle3").save_pretrained(tmp_path / "midlayer")
+    check_recipe(_run_config(tmp_path, "--init_from", str(tmp_path / "e3"), "--feature_layers", "1", "2", "4"))
+    with pytest.raises(ValueError, match=r"reads feature_layers=\[1, 2, 4\]; this draft reads the post-norm feature"):
+        check_recipe(_run_config(tmp_path, "--init_from", str(tmp_path / "e3")))
+    with pytest.raises(ValueError, match="set --feature_layers 1 2 4"):
+        check_recipe(_run_config(tmp_path, "--init_from", str(tmp_path / "e3"), "--feature_layers", "0", "3"))
+    with pytest.raises(ValueError, match="'eagle3' layers; this draft has 'eagle2' layers"):
+        check_recipe(_run_config(tmp_path, "--init_from", str(tmp_path / "midlayer")))
+    with pytest.raises(ValueError, match="repeated layer"):
+        check_recipe(_run_config(tmp_path, "--feature_layers", "2", "2"))
+    check_draft_fits(_run_config(tmp_path, "--feature_layers", "0", "4"), target)
+    with pytest.raises(ValueError, match=r"does not fit the target x: `feature_layers` \[2, 5\] must lie in \[0, 4\]"):
+        check_draft_fits(_run_config(tmp_path, "--feature_layers", "2", "5"), target)
+
+
 # ---------------------------------------------------------------------------------------------------- found later
 
 

@@ -3,46 +3,67 @@
 import pytest
 import torch
 
-from helpers import tiny_draft, tiny_llama
+from helpers import FEATURE_VARIANTS, randomize_norms, tiny_draft, tiny_llama
 from transformers_poss import PosSDraftCache, PosSProposer
+from transformers_poss.modeling_poss_layers import causal_mask
 from transformers_poss.training.objective import ObjectiveConfig, step_attention_mask, unroll
 
 
 def _sequential_depth_features(draft, input_ids, features, context_end, steps):
-    """Sequential drafting with the draft's own cached forward along the chain given by ``input_ids``.
+    """Sequential drafting along the chain given by ``input_ids``, one step at a time with each specialist's KV cache
+    (the draft's building blocks, as its forward and the drafter use them).
 
-    Context pairs 0..context_end are accepted; depth d + 1 feeds the pair (previous output, x_{context_end + d + 1}).
-    Returns the predicted feature at depths 1..steps, each `[1, H]`.
+    Context pairs 0..context_end are accepted (target features `[1, T, config.target_feature_size]`, fused first);
+    depth d + 1 feeds the pair (previous output, x_{context_end + d + 1}). Returns the predicted feature at depths
+    1..steps, each `[1, H]`.
     """
     config = draft.config
     cache = PosSDraftCache(config.num_specialists)
     seen = [0] * config.num_specialists
-    row_ids = [input_ids[:, : context_end + 1]]
-    row_feats = [features[:, : context_end + 1]]
+    context = slice(0, context_end + 1)
+    rows = [draft.fuse(input_ids[:, context], draft.fuse_target_features(features[:, context]))]
     results = []
     for step in range(steps):
         if step > 0:
             position = context_end + step
-            row_ids.append(input_ids[:, position : position + 1])
-            row_feats.append(results[-1][:, None])
-        ids, feats = torch.cat(row_ids, dim=1), torch.cat(row_feats, dim=1)
+            rows.append(draft.fuse(input_ids[:, position : position + 1], results[-1][:, None]))
+        hidden = torch.cat(rows, dim=1)
         specialist = config.specialist_for_step(step)
         start = seen[specialist]
-        out = draft(ids[:, start:], feats[:, start:], specialist=specialist, cache=cache).last_hidden_state
-        seen[specialist] = ids.shape[1]
+        new = hidden[:, start:]
+        emb = draft.position_embeddings(new, torch.arange(start, hidden.shape[1])[None])
+        layer = draft.layers[specialist]
+        keys, values = cache.update(specialist, *layer.project_kv(new, emb))
+        out = layer(new, emb, keys, values, causal_mask(new.shape[1], start, new.device))
+        seen[specialist] = hidden.shape[1]
         results.append(out[:, -1])
     return results
 
 
-@pytest.mark.parametrize("specialists,per", [(1, 1), (1, 3), (2, 1), (3, 2)])
-def test_chain_property_matches_cached_drafting(specialists, per):
-    target = tiny_llama()
-    draft = tiny_draft(target, num_specialists=specialists, positions_per_specialist=per)
+# (feature variant of helpers.FEATURE_VARIANTS or None: the post-norm feature, S, N)
+CHAIN_CASES = [(None, 1, 1), (None, 1, 3), (None, 2, 1), (None, 3, 2), ("eagle2-fl", 3, 2), ("eagle2-fl", 1, 3),
+               ("eagle3-fl", 2, 2), ("eagle3-post-norm", 1, 3)]
+
+
+def _chain_draft(variant, specialists, per):
+    if variant is None:
+        target = tiny_llama()
+        return target, tiny_draft(target, num_specialists=specialists, positions_per_specialist=per)
+    target = tiny_llama(layers=4)
+    draft = tiny_draft(target, num_specialists=specialists, positions_per_specialist=per, **FEATURE_VARIANTS[variant])
+    return target, randomize_norms(draft)
+
+
+@pytest.mark.parametrize("variant,specialists,per", CHAIN_CASES)
+def test_chain_property_matches_cached_drafting(variant, specialists, per):
+    """Step k of the training unroll at position t = sequential drafting at depth k + 1 after accepting up to t - k,
+    for drafts reading the post-norm feature and several target layers (EAGLE-3 style), in both layer styles."""
+    target, draft = _chain_draft(variant, specialists, per)
     steps = draft.config.training_depth
     length = 24
     torch.manual_seed(3)
     input_ids = torch.randint(0, 128, (1, length))
-    features = torch.randn(1, length, 64)
+    features = torch.randn(1, length, draft.config.target_feature_size)
     with torch.no_grad():
         outputs = unroll(draft, input_ids, features, steps, chunk_size=7)
         for t in range(steps, length):
@@ -51,16 +72,16 @@ def test_chain_property_matches_cached_drafting(specialists, per):
                 torch.testing.assert_close(outputs[k][:, t], reference, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("specialists,per", [(2, 1), (3, 2)])
-def test_chain_property_matches_tree_proposer(specialists, per):
+@pytest.mark.parametrize("variant,specialists,per", [(None, 2, 1), (None, 3, 2), ("eagle2-fl", 3, 2),
+                                                     ("eagle3-fl", 2, 2)])
+def test_chain_property_matches_tree_proposer(variant, specialists, per):
     """Along the proposer's own top-1 chain, step k at position c + k reproduces its token and log-prob."""
-    target = tiny_llama()
-    draft = tiny_draft(target, num_specialists=specialists, positions_per_specialist=per)
+    target, draft = _chain_draft(variant, specialists, per)
     steps = draft.config.training_depth
     torch.manual_seed(5)
     context = 9  # pairs 0..context-1 accepted; the last one holds the root
     input_ids = torch.randint(0, 128, (1, context + steps))
-    features = torch.randn(1, context + steps, 64)
+    features = torch.randn(1, context + steps, draft.config.target_feature_size)
     proposer = PosSProposer(draft, depth=steps, top_k=1, total_tokens=steps + 1)
     tree = proposer.propose(input_ids[:, :context], features[:, :context])
     assert tree.parents.tolist() == [-1] + list(range(steps))  # a chain

@@ -8,7 +8,8 @@ defaults); a recipe holds them flat or by section:
 
     target: smollm2-135m-instruct       # embedded name, Hub id or folder
     stage: all                          # data | features | train | all (each stage resumes where it stopped)
-    draft: {num_specialists: 3, positions_per_specialist: 2, init_from: null, draft_vocab_size: null}
+    draft: {num_specialists: 3, positions_per_specialist: 2, init_from: null, draft_vocab_size: null,
+            feature_layers: null}     # e.g. [2, 15, 27]: an EAGLE-3-style draft reading three target layers
     data:
       train: [conversations.jsonl]      # ShareGPT / OpenAI JSON(L) files or dataset names
       prompts: [prompts.jsonl]          # {"prompt": ...} lines to answer with the target
@@ -132,12 +133,14 @@ def build_datasets(config: PosSTrainConfig, target, tokenizer, write: bool = Tru
         return datasets
     root = Path(script.features_dir or Path(config.training.output_dir) / "features")
     dtype = getattr(torch, script.features_dtype)
+    layers = config.draft.feature_layers or None
     out = []
     for name, dataset in zip(("train", "eval"), datasets):
         if len(dataset):
             if write:
-                write_feature_shards(target, dataset, root / name, dtype=dtype, batch_size=script.features_batch_size)
-            out.append(FeatureShardDataset(root / name))
+                write_feature_shards(target, dataset, root / name, dtype=dtype, batch_size=script.features_batch_size,
+                                     feature_layers=layers)
+            out.append(FeatureShardDataset(root / name, feature_layers=layers))
         else:
             out.append(None)
     return out
@@ -145,19 +148,30 @@ def build_datasets(config: PosSTrainConfig, target, tokenizer, write: bool = Tru
 
 def build_draft(config: PosSTrainConfig, target, train_dataset, tokenizer):
     """A new draft for ``target``: specialists (and fc) optionally initialised from a trained draft, whose reduced
-    vocabulary map is then kept; otherwise the map is built from the training data's assistant tokens."""
+    vocabulary map is then kept; otherwise the map is built from the training data's assistant tokens.
+
+    A ``feature_layers`` draft started from a single-feature draft is a warm start: its ``feature_fc`` is fitted on
+    the first training features (``feature_fc_init: fit``) or set to the identity on the highest layer."""
     from ..configuration_poss import PosSDraftConfig
     from ..modeling_poss import PosSDraftModel
-    from .trainer import init_specialists
+    from .recipe_checks import draft_shape_fields
+    from .warm_start import feature_pairs, fit_feature_fc, init_specialists, is_warm_start, load_source
 
     spec = config.draft
     draft_config = PosSDraftConfig.for_target(
         target.config, num_specialists=spec.num_specialists, positions_per_specialist=spec.positions_per_specialist,
         intermediate_size=spec.intermediate_size, name_or_path=config.script.target,
+        **draft_shape_fields(spec),
     )
     draft = PosSDraftModel(draft_config)
     if spec.init_from:
-        init_specialists(draft, spec.init_from)
+        source = load_source(spec.init_from)
+        warm = is_warm_start(draft, source)
+        init_specialists(draft, source, feature_fc=spec.feature_fc_init)
+        if warm and spec.feature_fc_init == "fit":
+            share = fit_feature_fc(draft, feature_pairs(train_dataset, draft, target))
+            logger.info("warm start from %s: feature_fc fitted onto the post-norm feature (R^2 %.4f)", spec.init_from,
+                        share)
     inherited = draft.draft_to_target is not None
     if inherited and spec.draft_vocab_size and spec.draft_vocab_size != draft.config.draft_vocab_size:
         raise SystemExit(f"--draft_vocab_size {spec.draft_vocab_size} differs from the vocabulary of --init_from "

@@ -55,7 +55,8 @@ class PosSScriptArguments:
 
 @dataclass
 class PosSDraftArguments:
-    """The draft: S specialists of N positions each (EAGLE-2: 1 x 1, HASS: 1 x K)."""
+    """The draft: S specialists of N positions each (EAGLE-2: 1 x 1, HASS: 1 x K), reading the target's post-norm
+    feature or, with ``feature_layers``, several of its hidden states (EAGLE-3 style)."""
 
     num_specialists: int = field(default=1, metadata={"help": "Specialist layers S."})
     positions_per_specialist: int = field(default=1, metadata={"help": "Draft positions per specialist N."})
@@ -66,6 +67,20 @@ class PosSDraftArguments:
         default=None, metadata={"help": "Reduced drafting vocabulary built from the data (kept from init_from)."}
     )
     intermediate_size: int | None = field(default=None, metadata={"help": "MLP width (default: the target's)."})
+    feature_layers: list[int] | None = field(
+        default=None,
+        metadata={"help": "Target hidden states the draft reads, EAGLE-3 style (indices into hidden_states: 0 = "
+                          "embeddings, num_hidden_layers = post-norm), e.g. 2 15 27; None: the post-norm feature."},
+    )
+    layer_style: Literal["eagle2", "eagle3"] = field(
+        default="eagle2",
+        metadata={"help": "Specialist layers: eagle2 (fc, then a decoder layer) or eagle3 (EAGLE-3's midlayer)."},
+    )
+    feature_fc_init: Literal["fit", "identity"] = field(
+        default="fit",
+        metadata={"help": "Warm start of a feature_layers draft from a single-feature init_from draft: feature_fc "
+                          "fitted by least squares onto the post-norm feature, or identity on the highest layer."},
+    )
 
 
 @dataclass
@@ -218,6 +233,23 @@ def _clear(instances, names) -> None:
                 setattr(instance, f.name, None)
 
 
+def _null_list_flags(tokens: list[str]) -> set[str]:
+    """Remove ``--name None`` (or ``null``) of optional list fields from ``tokens``; returns those names."""
+    lists = {f.name for kind in _TYPES for f in fields(kind) if f.init and _optional(kind, f.name)
+             and "list" in str(next((k.__dict__.get("__annotations__", {}).get(f.name) for k in kind.__mro__
+                                     if f.name in k.__dict__.get("__annotations__", {})), ""))}
+    names, i = set(), 0
+    while i < len(tokens):
+        name = tokens[i][2:].replace("-", "_") if tokens[i].startswith("--") else None
+        if name in lists and i + 1 < len(tokens) and _is_null(tokens[i + 1]) and \
+                (i + 2 == len(tokens) or tokens[i + 2].startswith("--")):
+            names.add(name)
+            del tokens[i : i + 2]
+            continue
+        i += 1
+    return names
+
+
 def build_parser():
     from transformers import HfArgumentParser
 
@@ -248,13 +280,17 @@ def parse_train_args(argv: list[str]) -> PosSTrainConfig:
     recipe = load_recipe(config_path) if config_path else {}
     recipe.setdefault("output_dir", "poss-draft")
     recipe.setdefault("seed", 0)  # the held-out split and the draft's initialisation
+    cleared = _null_list_flags(rest)  # `--feature_layers None`: a list field the parser would type element-wise
+    for name in cleared:
+        recipe.pop(name, None)
     try:
         parsed = parser.parse_args_into_dataclasses(args=_as_flags(recipe) + rest, look_for_args_file=False)
     except ValueError as error:  # a value the field's __post_init__ refuses, or flags that are not fields
         raise SystemExit(f"poss train: {error}") from None
     script, draft, data, training = parsed[:4]
     given = {token[2:].split("=", 1)[0].replace("-", "_") for token in rest if token.startswith("--")}
-    _clear((script, draft, data, training), {k for k, v in recipe.items() if _is_null(v) and k not in given})
+    _clear((script, draft, data, training),
+           {k for k, v in recipe.items() if _is_null(v) and k not in given} | cleared)
     if not script.target:
         raise SystemExit("a target is required (recipe `target:` or --target)")
     return PosSTrainConfig(script, draft, data, training)

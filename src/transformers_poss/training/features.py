@@ -1,9 +1,14 @@
-"""Target features for training: online (the frozen target runs in the training step) or offline (shards on disk).
+"""Offline target features: safetensors shards computed once, read memory-mapped.
 
-Offline shards are safetensors files holding only what the loss needs, per stored token: its id (int32), its
-assistant flag (uint8) and the target feature f_t (bf16 by default), plus sequence offsets (int64). On disk that is
-``hidden_size * 2 + 5`` bytes per token: 1.13 MiB per 1k tokens for SmolLM2-135M (H = 576), 8.0 MiB per 1k
-tokens for an 8B Llama (H = 4096).
+Shards hold only what the loss needs, per stored token: its id (int32), its assistant flag (uint8) and the target
+features (bf16 by default), plus sequence offsets (int64). A single-feature draft stores f_t: ``hidden_size * 2 + 5``
+bytes per token, 1.13 MiB per 1k tokens for SmolLM2-135M (H = 576), 8.0 MiB for an 8B Llama (H = 4096).
+
+A draft with ``feature_layers`` (k target layers, EAGLE-3 style) stores the k hidden states concatenated,
+``hidden_states`` `[N, k * H]`, and the post-norm feature ``last_hidden_state`` `[N, H]` that the token loss needs
+(its soft labels are the target's ``lm_head`` of it), unless the post-norm layer is one of the k, whose slot is then
+read instead: ``(k + 1) * H * 2 + 5`` bytes per token (4.4 MiB per 1k tokens for SmolLM2 with layers [2, 15, 27]).
+``features.json`` and each shard's metadata record the layers; a draft of another layout is refused.
 """
 
 from __future__ import annotations
@@ -17,75 +22,17 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .data import pair_loss_mask
+from .feature_inputs import (PosSDataCollator, TargetFeatures, batch_to, check_feature_layout, describe_layers,
+                             draft_feature_layers, draft_inputs)
 
-__all__ = ["TargetFeatures", "PosSDataCollator", "batch_to", "draft_inputs", "write_feature_shards", "FeatureShardDataset"]
+__all__ = ["TargetFeatures", "PosSDataCollator", "batch_to", "draft_inputs", "write_feature_shards",
+           "FeatureShardDataset", "check_feature_layout", "draft_feature_layers", "stored_feature_layers",
+           "target_fingerprint"]
 
 INDEX_FILE = "features.json"
+_UNSET = object()
 
 
-class TargetFeatures:
-    """Computes post-final-norm target features f_t without the lm_head. The target is frozen and put in eval mode.
-
-    Works with a transformers causal LM and with a `peft.PeftModel` around one (adapters stay active).
-    """
-
-    def __init__(self, target):
-        self.target = target
-        target.requires_grad_(False)
-        target.eval()
-        base = target.get_base_model() if hasattr(target, "get_base_model") else target
-        self.decoder = base.get_decoder()
-
-    @torch.no_grad()
-    def __call__(self, tokens: torch.LongTensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`[B, L]` tokens (right-padded) -> `[B, L, H]` features."""
-        return self.decoder(input_ids=tokens, attention_mask=attention_mask, use_cache=False).last_hidden_state
-
-
-def batch_to(batch: dict, device) -> dict:
-    """A collated batch with its tensors moved to ``device`` (other entries unchanged)."""
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def draft_inputs(tokens, loss_mask, features, pad_token_id: int = 0) -> dict:
-    """Draft training inputs from a token batch: pair t = (f_t, x_{t+1}); the last pair gets a pad token."""
-    next_tokens = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], pad_token_id)], dim=1)
-    return {"input_ids": next_tokens, "target_hidden_states": features, "loss_mask": loss_mask}
-
-
-class PosSDataCollator:
-    """Right-pads examples ``{"input_ids": [L], "assistant_mask": [L], ("hidden_states": [L, H])}``.
-
-    With stored features the batch is ready for the draft's forward (``input_ids`` = next tokens,
-    ``target_hidden_states``, ``loss_mask``), so a plain Trainer can train on it. Without them the batch carries
-    ``tokens``, ``attention_mask`` and ``loss_mask`` for online features ([`PosSTrainer`] adds the features).
-    """
-
-    def __init__(self, pad_token_id: int = 0, max_length: int | None = None):
-        self.pad_token_id = pad_token_id
-        self.max_length = max_length
-
-    def _pad(self, rows, value):
-        length = max(r.shape[0] for r in rows)
-        out = rows[0].new_full((len(rows), length, *rows[0].shape[1:]), value)
-        for i, row in enumerate(rows):
-            out[i, : row.shape[0]] = row
-        return out
-
-    def __call__(self, examples: list[dict]) -> dict:
-        cut = slice(0, self.max_length)
-        tokens = self._pad([torch.as_tensor(e["input_ids"])[cut].long() for e in examples], self.pad_token_id)
-        assistant = self._pad([torch.as_tensor(e["assistant_mask"])[cut].long() for e in examples], 0)
-        attention = self._pad([torch.ones(len(torch.as_tensor(e["input_ids"])[cut]), dtype=torch.long) for e in examples], 0)
-        loss_mask = pair_loss_mask(assistant) * attention
-        if "hidden_states" in examples[0]:
-            features = self._pad([torch.as_tensor(e["hidden_states"])[cut] for e in examples], 0)
-            return draft_inputs(tokens, loss_mask, features, self.pad_token_id)
-        return {"tokens": tokens, "attention_mask": attention, "loss_mask": loss_mask}
-
-
-# ---------------------------------------------------------------------------------------------------- offline
 def target_fingerprint(target) -> str:
     """A digest identifying the target's features: its config, and a sample of every weight tensor (dtype, shape
     and up to 64 strided values), so a retrained, re-quantized or different target gives a different digest."""
@@ -103,7 +50,29 @@ def target_fingerprint(target) -> str:
     return digest.hexdigest()[:32]
 
 
-def _write_shard(path: Path, items: list[dict], features: list[torch.Tensor], dtype, fingerprint: str | None = None):
+def _layers_text(layers) -> str:
+    return json.dumps(list(layers) if layers else None)
+
+
+def stored_feature_layers(directory):
+    """The layers of the features in ``directory`` (None: the post-norm feature; also for shards written before
+    multi-layer features existed), or the marker ``_UNSET`` when it holds no features yet."""
+    directory = Path(directory)
+    index = directory / INDEX_FILE
+    if index.exists():
+        return json.loads(index.read_text()).get("feature_layers")
+    first = directory / "shard-00000.safetensors"
+    if first.exists():
+        try:
+            with safe_open(str(first), framework="pt") as handle:
+                return json.loads((handle.metadata() or {}).get("feature_layers", "null"))
+        except Exception:  # an unreadable shard is recomputed
+            return _UNSET
+    return _UNSET
+
+
+def _write_shard(path: Path, items: list[dict], features: list[torch.Tensor], dtype, fingerprint: str | None = None,
+                 last: list[torch.Tensor] | None = None, layers=None):
     lengths = torch.tensor([0] + [len(i["input_ids"]) for i in items])
     tensors = {
         "input_ids": torch.cat([torch.as_tensor(i["input_ids"]) for i in items]).to(torch.int32),
@@ -111,24 +80,31 @@ def _write_shard(path: Path, items: list[dict], features: list[torch.Tensor], dt
         "hidden_states": torch.cat(features).to(dtype).contiguous(),
         "offsets": torch.cumsum(lengths, 0),
     }
+    if last is not None:
+        tensors["last_hidden_state"] = torch.cat(last).to(dtype).contiguous()
+    metadata = {"target_fingerprint": fingerprint} if fingerprint else {}
+    if layers:
+        metadata["feature_layers"] = _layers_text(layers)
     tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata={"target_fingerprint": fingerprint} if fingerprint else None)
+    save_file(tensors, str(tmp), metadata=metadata or None)
     os.replace(tmp, path)
 
 
-def _shard_matches(path: Path, items: list[dict], fingerprint: str | None = None) -> bool:
+def _shard_matches(path: Path, items: list[dict], fingerprint: str | None = None, layers=None) -> bool:
     """True when ``path`` exists and stores exactly these sequences (same tokens and assistant masks) computed by the
-    same target (``fingerprint``, see `target_fingerprint`), so a resumed run reuses it; a shard left from other data
-    (a grown or reshuffled data set) or from another target is recomputed."""
+    same target (``fingerprint``, see `target_fingerprint`) for the same layers, so a resumed run reuses it; a shard
+    left from other data (a grown or reshuffled data set) or from another target is recomputed."""
     if not path.exists():
         return False
     try:
         with safe_open(str(path), framework="pt") as handle:
             stored_ids, stored_mask = handle.get_tensor("input_ids"), handle.get_tensor("assistant_mask")
-            stored_target = (handle.metadata() or {}).get("target_fingerprint")
+            metadata = handle.metadata() or {}
     except Exception:  # a truncated or unreadable shard is recomputed
         return False
-    if fingerprint is not None and stored_target != fingerprint:
+    if fingerprint is not None and metadata.get("target_fingerprint") != fingerprint:
+        return False
+    if metadata.get("feature_layers", "null") != _layers_text(layers):
         return False
     ids = torch.cat([torch.as_tensor(i["input_ids"]) for i in items]).to(torch.int32)
     mask = torch.cat([torch.as_tensor(i["assistant_mask"]) for i in items]).to(torch.uint8)
@@ -136,23 +112,36 @@ def _shard_matches(path: Path, items: list[dict], fingerprint: str | None = None
 
 
 def write_feature_shards(target, dataset, output_dir, batch_size: int = 8, sequences_per_shard: int = 512,
-                         dtype: torch.dtype = torch.bfloat16, device=None, progress: bool = True) -> dict:
+                         dtype: torch.dtype = torch.bfloat16, device=None, progress: bool = True,
+                         feature_layers: list[int] | None = None) -> dict:
     """Precompute target features of a tokenized dataset into ``output_dir/shard-XXXXX.safetensors``.
 
-    Resumable: finished shards (written atomically) that hold the same sequences are skipped. Sequences of a shard are run through the target in
-    length-sorted batches to limit padding.
+    Resumable: finished shards (written atomically) that hold the same sequences are skipped. Sequences of a shard
+    are run through the target in length-sorted batches to limit padding.
 
     Args:
         target: the target causal LM (or a PeftModel around one).
         dataset: items ``{"input_ids": [L], "assistant_mask": [L]}`` (e.g. a [`ConversationDataset`]).
         dtype: storage dtype of the features (bf16 halves the disk size of fp32).
+        feature_layers: the target layers the draft reads (its ``config.feature_layers``); None: the post-norm
+            feature. A folder holding features of other layers is refused (give another ``output_dir``).
     Returns:
         the index written to ``output_dir/features.json``.
     """
     output_dir = Path(output_dir)
+    layers = list(feature_layers) if feature_layers else None
+    existing = stored_feature_layers(output_dir)
+    if existing is not _UNSET and (list(existing) if existing else None) != layers:
+        raise ValueError(f"{output_dir} holds target features of {describe_layers(existing)}, not "
+                         f"{describe_layers(layers)}: write these features into another folder (--features_dir), or "
+                         "delete that folder.")
     output_dir.mkdir(parents=True, exist_ok=True)
     fingerprint = target_fingerprint(target)
-    compute = TargetFeatures(target)
+    compute = TargetFeatures(target, layers)
+    # the post-norm feature is stored on its own only when it is not one of the selected layers (then its slot is
+    # read): the exact soft labels need it, and an H-wide bf16 row is far smaller than the target's logits or top-k
+    slot = layers.index(compute.num_hidden_layers) if layers and compute.num_hidden_layers in layers else None
+    store_last = bool(layers) and slot is None
     device = device or next(target.parameters()).device
     total = len(dataset)
     shards = []
@@ -160,48 +149,70 @@ def write_feature_shards(target, dataset, output_dir, batch_size: int = 8, seque
     for shard_index, start in enumerate(range(0, total, sequences_per_shard)):
         path = output_dir / f"shard-{shard_index:05d}.safetensors"
         items = [dataset[i] for i in range(start, min(total, start + sequences_per_shard))]
-        if not _shard_matches(path, items, fingerprint):
-            features = [None] * len(items)
+        if not _shard_matches(path, items, fingerprint, layers):
+            features, last = [None] * len(items), [None] * len(items)
             order = sorted(range(len(items)), key=lambda i: len(items[i]["input_ids"]))
             for b in range(0, len(order), batch_size):
                 chosen = order[b : b + batch_size]
                 batch = PosSDataCollator()([items[i] for i in chosen])
-                out = compute(batch["tokens"].to(device), batch["attention_mask"].to(device)).cpu()
+                out, post = compute.compute(batch["tokens"].to(device), batch["attention_mask"].to(device))
+                out, post = out.cpu(), post.cpu()
                 for row, i in enumerate(chosen):
                     features[i] = out[row, : len(items[i]["input_ids"])]
-            _write_shard(path, items, features, dtype, fingerprint)
+                    last[i] = post[row, : len(items[i]["input_ids"])]
+            _write_shard(path, items, features, dtype, fingerprint, last if store_last else None, layers)
         shards.append({"file": path.name, "sequences": len(items), "tokens": sum(len(i["input_ids"]) for i in items)})
         bar.update(len(items))
     bar.close()
     config = getattr(target, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(text, "hidden_size", None)
     index = {
         "shards": shards,
         "num_sequences": total,
         "num_tokens": sum(s["tokens"] for s in shards),
-        "hidden_size": getattr(config, "hidden_size", None),
+        "hidden_size": hidden,
         "dtype": str(dtype).replace("torch.", ""),
         "target": getattr(config, "_name_or_path", None),
         "target_fingerprint": fingerprint,
+        "feature_layers": layers,
     }
+    if layers:
+        index["feature_size"] = len(layers) * hidden
+        index["last_hidden_state"] = "stored" if store_last else {"slot": slot}
     (output_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
     return index
 
 
 class FeatureShardDataset(torch.utils.data.Dataset):
-    """Sequences stored by [`write_feature_shards`]; items ``{"input_ids", "assistant_mask", "hidden_states"}``.
+    """Sequences stored by [`write_feature_shards`]; items ``{"input_ids", "assistant_mask", "hidden_states"}``, plus
+    ``"last_hidden_state"`` (the post-norm features `[L, H]`) for multi-layer features.
 
-    Tensors are read lazily (memory-mapped) per item, so datasets larger than memory work.
+    Tensors are read lazily (memory-mapped) per item, so datasets larger than memory work. ``feature_layers``, when
+    given (a list, or None for the post-norm feature), must be the stored layers, else a ValueError says so.
     """
 
-    def __init__(self, directory):
+    def __init__(self, directory, feature_layers=_UNSET):
         self.directory = Path(directory)
         self.index = json.loads((self.directory / INDEX_FILE).read_text())
+        if feature_layers is not _UNSET:
+            check_feature_layout(self.feature_layers, feature_layers, f"the features in {self.directory}")
+        last = self.index.get("last_hidden_state")
+        hidden = self.index.get("hidden_size")
+        self._last_columns = (last["slot"] * hidden, (last["slot"] + 1) * hidden) if isinstance(last, dict) else None
+        # ``hidden_size`` is the target's text hidden size: the width of one stored layer
+        self._last_stored = last == "stored"
         self._handles = {}
         self._locations = []  # (shard file, start, end)
         for shard in self.index["shards"]:
             with safe_open(str(self.directory / shard["file"]), framework="pt") as handle:
                 offsets = handle.get_tensor("offsets").tolist()
             self._locations += [(shard["file"], a, b) for a, b in zip(offsets[:-1], offsets[1:])]
+
+    @property
+    def feature_layers(self) -> list[int] | None:
+        """The target layers stored (None: the post-norm feature, as in shards written before layers existed)."""
+        return self.index.get("feature_layers")
 
     def __len__(self) -> int:
         return len(self._locations)
@@ -214,11 +225,17 @@ class FeatureShardDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         name, start, end = self._locations[index]
         handle = self._handle(name)
-        return {
+        item = {
             "input_ids": handle.get_slice("input_ids")[start:end].long(),
             "assistant_mask": handle.get_slice("assistant_mask")[start:end].long(),
             "hidden_states": handle.get_slice("hidden_states")[start:end],
         }
+        if self._last_stored:
+            item["last_hidden_state"] = handle.get_slice("last_hidden_state")[start:end]
+        elif self._last_columns is not None:
+            a, b = self._last_columns
+            item["last_hidden_state"] = handle.get_slice("hidden_states")[start:end, a:b]
+        return item
 
     def __getstate__(self):  # dataloader workers reopen the files
         state = dict(self.__dict__)

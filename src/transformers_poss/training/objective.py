@@ -2,8 +2,12 @@
 
 Conventions (one sequence of tokens x_0 .. x_{T} with target features f_0 .. f_{T}):
 
-- ``input_ids[:, t]`` is x_{t+1} and ``target_hidden_states[:, t]`` is f_t: pair t = (f_t, x_{t+1}).
-- The regression target of pair t is f_{t+1} = ``target_hidden_states[:, t + 1]`` (the last pair has none).
+- ``input_ids[:, t]`` is x_{t+1} and ``target_hidden_states[:, t]`` is f_t: pair t = (f_t, x_{t+1}). A draft with
+  ``config.feature_layers`` reads k target layers at t (`[.., k * H]`), fused to H by ``draft.fuse_target_features``;
+  only these target inputs are fused, later steps feed the draft's own H-wide outputs.
+- The regression target of pair t is the post-norm feature f_{t+1} (``target_last_hidden_state[:, t + 1]``, which is
+  ``target_hidden_states`` for single-feature drafts; the last pair has none); the soft labels are the target's
+  ``lm_head`` of it.
 - ``loss_mask[:, t]`` selects the pairs whose prediction counts (those whose predicted feature f^_{t+1} yields an
   assistant token x_{t+2}); see [`transformers_poss.training.data.pair_loss_mask`].
 
@@ -16,7 +20,13 @@ Unrolled steps k = 0 .. K-1 (K = ``draft.config.training_depth`` by default):
 - step k uses specialist ``config.specialist_for_step(k)``; each specialist projects its own keys/values.
 - loss of step k = ``feature_weight * SmoothL1(f^, f_next) + ce_weight * CE(p_target, log q_draft)``
   (+ ``topk_weight`` x the same CE restricted to the target's top-k tokens), each summed over the positions of the
-  step's mask and divided by their count. Positions t < k have no full context and are never trained.
+  step's mask and divided by their count, times the step's weight (``step_weights``, else ``step_weight_decay ** k``).
+  Positions t < k have no full context and are never trained. ``feature_weight: 0`` drops the regression (it is not
+  computed): the token loss alone.
+
+The unrolled steps are EAGLE-3's "training-time test" (each step feeds the draft's own previous predictions). The
+EAGLE-3 objective is `EAGLE3_OBJECTIVE`: token loss only (``feature_weight`` 0, ``ce_weight`` 1), step weights
+0.8 ** k, with ``num_unrolled_steps`` steps (EAGLE-3: 7; the SmolLM2 recipe: 6).
 """
 
 from __future__ import annotations
@@ -27,7 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["ObjectiveFields", "ObjectiveConfig", "check_objective", "set_objective", "get_objective", "unroll", "training_forward", "step_attention_mask"]
+from .losses import SoftCrossEntropy, chain_counts, topk_cross_entropy
+
+__all__ = ["ObjectiveFields", "ObjectiveConfig", "EAGLE3_OBJECTIVE", "check_objective", "set_objective",
+           "get_objective", "unroll", "training_forward", "step_attention_mask", "step_loss_weights", "SoftCrossEntropy",
+           "soft_label_logits"]
 
 
 @dataclass
@@ -43,7 +57,9 @@ class ObjectiveFields:
         noise (`str`): ``"uniform"``, ``"gaussian"`` or ``"none"``; added to the target input features in training.
         noise_scale (`float`): width of the uniform noise ((U - 0.5) * scale) or std of the gaussian noise. The
             authors' uniform noise is 0.2 * 512 / seq_len, i.e. 0.05 at their 2048-token sequences.
-        step_weights (`list[float]`, *optional*): per-step loss weights (default: 1.0 each, summed).
+        step_weights (`list[float]`, *optional*): per-step loss weights (default: ``step_weight_decay ** k``).
+        step_weight_decay (`float`): weight of step k is ``step_weight_decay ** k`` when ``step_weights`` is unset
+            (1.0: every step 1.0, the PosS / HASS objective; EAGLE-3: 0.8).
         attention_chunk_size (`int`): queries per attention call in steps >= 1 (bounds memory; exact either way).
     """
 
@@ -55,7 +71,10 @@ class ObjectiveFields:
     noise: str = field(default="uniform", metadata={"help": "Input-feature noise: uniform, gaussian or none."})
     noise_scale: float = field(default=0.05, metadata={"help": "Uniform noise width or gaussian std."})
     step_weights: list[float] | None = field(
-        default=None, metadata={"help": "Loss weight of each unrolled step (default: 1.0 each)."}
+        default=None, metadata={"help": "Loss weight of each unrolled step (default: step_weight_decay ** k)."}
+    )
+    step_weight_decay: float = field(
+        default=1.0, metadata={"help": "Step k's loss weight: decay ** k, unless step_weights (EAGLE-3: 0.8)."}
     )
     attention_chunk_size: int = field(default=256, metadata={"help": "Queries per attention call (memory bound)."})
 
@@ -66,6 +85,28 @@ def check_objective(settings: ObjectiveFields) -> None:
         raise ValueError(f"noise must be 'uniform', 'gaussian' or 'none', got {settings.noise!r}.")
     if settings.step_weights is not None and any(w < 0 for w in settings.step_weights):
         raise ValueError(f"step_weights must be >= 0, got {settings.step_weights}.")
+    if not settings.step_weight_decay > 0:
+        raise ValueError(f"step_weight_decay must be > 0 (1.0: equal steps; EAGLE-3: 0.8), got "
+                         f"{settings.step_weight_decay}.")
+    for name in ("feature_weight", "ce_weight", "topk_weight"):
+        if getattr(settings, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(settings, name)}.")
+    if settings.feature_weight == 0 and settings.ce_weight == 0 and settings.topk_weight == 0:
+        raise ValueError("feature_weight, ce_weight and topk_weight are all 0: nothing would be trained.")
+
+
+def step_loss_weights(settings: ObjectiveFields, num_steps: int) -> list[float]:
+    """The loss weight of each of ``num_steps`` unrolled steps: ``step_weights``, else ``step_weight_decay ** k``."""
+    if settings.step_weights is not None:
+        if len(settings.step_weights) != num_steps:
+            raise ValueError(f"step_weights has {len(settings.step_weights)} entries for {num_steps} steps.")
+        return [float(w) for w in settings.step_weights]
+    return [settings.step_weight_decay ** k for k in range(num_steps)]
+
+
+# EAGLE-3's objective (token loss only, geometric step weights): ``ObjectiveConfig(**EAGLE3_OBJECTIVE,
+# num_unrolled_steps=K)``, or these three settings in a `poss train` recipe.
+EAGLE3_OBJECTIVE = {"feature_weight": 0.0, "ce_weight": 1.0, "step_weight_decay": 0.8}
 
 
 OBJECTIVE_FIELDS = tuple(f.name for f in fields(ObjectiveFields))
@@ -158,11 +199,13 @@ def unroll(draft, input_ids, target_hidden_states, num_steps: int, chunk_size: i
 
     Args:
         input_ids (`[B, T]`): x_{t+1} of each pair.
-        target_hidden_states (`[B, T, H]`): f_t of each pair (noise already applied if any).
+        target_hidden_states (`[B, T, k * H]`): the target features of each pair (f_t for k = 1; noise already
+            applied if any).
     """
     batch, length = input_ids.shape
     positions = torch.arange(length, device=input_ids.device)[None].expand(batch, -1)
-    rows = [draft.fuse(input_ids, target_hidden_states)]  # rows[j]: fused inputs of step j, [B, T, H]
+    # rows[j]: fused inputs of step j, [B, T, config.fused_size]; target features are fused to H first
+    rows = [draft.fuse(input_ids, draft.fuse_target_features(target_hidden_states))]
     pos_emb = draft.position_embeddings(rows[0], positions)
     kv_cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     outputs = []
@@ -187,37 +230,6 @@ def unroll(draft, input_ids, target_hidden_states, num_steps: int, chunk_size: i
 
 
 # ---------------------------------------------------------------------------------------------------- loss
-class SoftCrossEntropy(torch.autograd.Function):
-    """Row-wise soft cross-entropy ``-sum_v p_v log softmax(z)_v = logsumexp(z) - <p, z>`` of `[M, V]` logits z
-    under fixed target probabilities p, with the fused gradient ``softmax(z) - p``.
-
-    Equal to autograd through ``log_softmax`` but with fewer passes over the `[M, V]` tensors, which dominate the
-    cost of training on CPUs.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device_type=logits.device.type, enabled=False):  # keep fp32 under bf16/fp16 training
-            dtype = torch.promote_types(logits.dtype, torch.float32)
-            logits, probs = logits.to(dtype), probs.to(dtype)
-            lse = torch.logsumexp(logits, dim=-1)
-            dot = torch.bmm(probs.unsqueeze(1), logits.unsqueeze(2)).view(-1)
-        ctx.save_for_backward(logits, probs, lse)
-        return lse - dot
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, probs, lse = ctx.saved_tensors
-        return (logits - lse[:, None]).exp_().sub_(probs).mul_(grad[:, None]), None
-
-
-def _topk_ce(target_logp: torch.Tensor, logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Per-row cross-entropy `[M]` restricted to the target's top-k tokens (HASS distillation term)."""
-    top_logp, top_idx = target_logp.topk(min(k, target_logp.shape[-1]), dim=-1)
-    draft_logp = torch.log_softmax(logits, dim=-1)
-    return -(top_logp.exp() * draft_logp.gather(-1, top_idx)).sum(-1)
-
-
 def _step_masks(loss_mask: torch.Tensor, num_steps: int) -> list[torch.BoolTensor]:
     """Step-k masks `[B, T]`: the loss mask without the last pair (no target) and without positions t < k."""
     mask = loss_mask.bool().clone()
@@ -226,39 +238,50 @@ def _step_masks(loss_mask: torch.Tensor, num_steps: int) -> list[torch.BoolTenso
     return [mask & (positions >= k) for k in range(num_steps)]
 
 
-def _chain_counts(correct_maps, masks):
-    """Counts for the position-wise acceptance rate along the target's continuation.
+def soft_label_logits(draft, features: torch.Tensor) -> torch.Tensor:
+    """The TARGET's logits `[..., V']` over the drafting vocabulary of `[..., H]` target post-norm features: the
+    soft labels. The target's lm_head rows, never the draft's final norm (``eagle3`` style) or own lm_head."""
+    public = getattr(draft, "target_logits", None)
+    if callable(public):
+        return public(features)
+    if getattr(draft, "norm", None) is None and getattr(draft, "lm_head", None) is None:
+        return draft.compute_logits(features)  # the target's lm_head (rows), as drafting uses it
+    if getattr(draft, "_target_lm_head", None) is None:
+        raise RuntimeError("Training needs the target attached (`draft.attach_target(target)`): its lm_head gives "
+                           "the soft labels.")
+    weight, bias = draft._head_weight()
+    return F.linear(features.to(weight.dtype), weight, bias)
 
-    For depth k + 1 and query t the chain is step j at position t - k + j, j = 0..k. Among chains lying entirely
-    in their steps' masks, ``numerator[k]`` counts those with steps 0..k all correct and ``denominator[k]`` those
-    with steps 0..k-1 all correct: their ratio estimates P(depth k+1 accepted | depths 1..k accepted).
-    """
-    numerator, denominator = [], []
-    length = masks[0].shape[1]
-    for k in range(len(masks)):
-        before = torch.ones_like(masks[k])
-        inside = masks[k].clone()
-        for j in range(k + 1):
-            shift = k - j  # step j's member of the chain ending at t is at t - shift
-            ok = torch.zeros_like(masks[k])
-            member = torch.zeros_like(masks[k])
-            ok[:, shift:] = correct_maps[j][:, : length - shift]
-            member[:, shift:] = masks[j][:, : length - shift]
-            inside &= member
-            if j < k:
-                before &= ok
-        denominator.append((before & inside).sum())
-        numerator.append((before & inside & correct_maps[k]).sum())
-    return numerator, denominator
+
+def _check_widths(draft, target_hidden_states, target_last_hidden_state):
+    """Clear errors for features that are not the ones this draft reads (multi-layer vs post-norm features)."""
+    config = draft.config
+    layers = config.feature_layers
+    if target_hidden_states.shape[-1] != config.target_feature_size:
+        wanted = f"feature_layers={list(layers)} ({len(layers)} x {config.hidden_size})" if layers else \
+            f"the post-norm feature ({config.hidden_size})"
+        raise ValueError(f"target_hidden_states are {target_hidden_states.shape[-1]} wide, but this draft reads "
+                         f"{wanted}: compute features for its layers (TargetFeatures(target, "
+                         "draft.config.feature_layers), write_feature_shards(..., feature_layers=...)).")
+    if layers and target_last_hidden_state is None:
+        raise ValueError("A draft with feature_layers needs `target_last_hidden_state` (the target's post-norm "
+                         "features [B, T, H]) for its token loss; PosSDataCollator / TargetFeatures.draft_inputs "
+                         "provide it.")
+    if target_last_hidden_state is not None and target_last_hidden_state.shape[-1] != config.hidden_size:
+        raise ValueError(f"target_last_hidden_state must be [B, T, {config.hidden_size}] (the target's post-norm "
+                         f"features), got {tuple(target_last_hidden_state.shape)}.")
 
 
 def training_forward(draft, input_ids, target_hidden_states, loss_mask, objective=None, num_items_in_batch=None,
-                     return_step_features: bool = False, **overrides):
+                     return_step_features: bool = False, target_last_hidden_state=None, **overrides):
     """Loss of the multi-step objective; called by ``PosSDraftModel.forward`` when training inputs are given.
 
     Args:
         input_ids (`[B, T]`): x_{t+1} per pair.
-        target_hidden_states (`[B, T, H]`): f_t per pair (f_{t+1} of the next pair is the regression target).
+        target_hidden_states (`[B, T, k * H]`): the target features the draft reads per pair (f_t for k = 1).
+        target_last_hidden_state (`[B, T, H]`, *optional*): the target's post-norm features f_t (f_{t+1} of the next
+            pair is the regression target, its lm_head the soft labels); required with ``feature_layers``, else
+            ``target_hidden_states`` is that feature.
         loss_mask (`[B, T]`): 1 where pair t's prediction is trained.
         objective ([`ObjectiveConfig`] or `dict`, *optional*): settings; default: those attached with
             [`set_objective`], else the defaults. ``overrides`` replace single fields.
@@ -277,20 +300,20 @@ def training_forward(draft, input_ids, target_hidden_states, loss_mask, objectiv
     if overrides:
         objective = ObjectiveConfig.from_dict({**objective.to_dict(), **overrides})
     num_steps = objective.num_unrolled_steps or draft.config.training_depth
-    weights = objective.step_weights or [1.0] * num_steps
-    if len(weights) != num_steps:
-        raise ValueError(f"step_weights has {len(weights)} entries for {num_steps} steps.")
+    weights = step_loss_weights(objective, num_steps)
+    _check_widths(draft, target_hidden_states, target_last_hidden_state)
 
-    features = target_hidden_states.to(draft.fc.weight.dtype)
+    features = target_hidden_states.to(draft.dtype)
+    post_norm = features if target_last_hidden_state is None else target_last_hidden_state.to(draft.dtype)
     inputs = _add_noise(features, objective) if draft.training else features
     outputs = unroll(draft, input_ids, inputs, num_steps, objective.attention_chunk_size)
 
     masks = _step_masks(loss_mask, num_steps)
-    next_features = torch.cat([features[:, 1:], torch.zeros_like(features[:, :1])], dim=1).detach()
+    next_features = torch.cat([post_norm[:, 1:], torch.zeros_like(post_norm[:, :1])], dim=1).detach()
     base = masks[0]  # every step's rows are a subset of these M0 rows; other rows get weight 0
     pred_rows = next_features[base]  # [M0, H]
     with torch.no_grad():
-        target_logits = draft.compute_logits(pred_rows).float()  # [M0, V]
+        target_logits = soft_label_logits(draft, pred_rows).float()  # [M0, V']
         target_probs = torch.softmax(target_logits, dim=-1)
         target_top1 = target_logits.argmax(-1)
         target_logp = torch.log_softmax(target_logits, dim=-1) if objective.topk_weight else None
@@ -303,13 +326,16 @@ def training_forward(draft, input_ids, target_hidden_states, loss_mask, objectiv
         count = mask.sum()
         denom = count.clamp(min=1).float()
         pred = out[base]
-        feature_rows = F.smooth_l1_loss(pred.float(), pred_rows.float(), reduction="none").mean(-1)
-        feature_loss = (feature_rows * weight).sum() / denom
+        if objective.feature_weight:
+            feature_rows = F.smooth_l1_loss(pred.float(), pred_rows.float(), reduction="none").mean(-1)
+            feature_loss = (feature_rows * weight).sum() / denom
+        else:  # token loss only: the regression is not computed
+            feature_loss = loss.new_zeros(())
         logits = draft.compute_logits(pred).float()
         ce_loss = (SoftCrossEntropy.apply(logits, target_probs) * weight).sum() / denom
         step_loss = objective.feature_weight * feature_loss + objective.ce_weight * ce_loss
         if objective.topk_weight:
-            topk_rows = _topk_ce(target_logp, logits, objective.topk)
+            topk_rows = topk_cross_entropy(target_logp, logits, objective.topk)
             step_loss = step_loss + objective.topk_weight * (topk_rows * weight).sum() / denom
         loss = loss + weights[k] * step_loss
         with torch.no_grad():
@@ -325,7 +351,7 @@ def training_forward(draft, input_ids, target_hidden_states, loss_mask, objectiv
             metrics[f"correct_{depth}"] = hits.sum()
             metrics[f"count_{depth}"] = count
     with torch.no_grad():
-        numerator, denominator = _chain_counts(correct_maps, masks)
+        numerator, denominator = chain_counts(correct_maps, masks)
         for k in range(num_steps):
             metrics[f"chain_accepted_{k + 1}"] = numerator[k]
             metrics[f"chain_reached_{k + 1}"] = denominator[k]

@@ -52,10 +52,29 @@ def _init_from(draft) -> None:
         return
     check_draft_folder(draft.init_from)
     with open(os.path.join(draft.init_from, "config.json"), encoding="utf-8") as handle:
-        source_vocab = json.load(handle).get("draft_vocab_size")
+        source = json.load(handle)
+    source_vocab = source.get("draft_vocab_size")
     if source_vocab and draft.draft_vocab_size and draft.draft_vocab_size != source_vocab:
         raise ValueError(f"--draft_vocab_size {draft.draft_vocab_size} differs from the vocabulary of --init_from "
                          f"({source_vocab} tokens), which is kept: drop the setting or set it to the source's size.")
+    source_style = source.get("layer_style", "eagle2")
+    if source.get("model_type") == "poss_draft" and source_style != draft.layer_style:
+        raise ValueError(f"--init_from {draft.init_from} has {source_style!r} layers; this draft has "
+                         f"{draft.layer_style!r} layers: set --layer_style {source_style} or start from another draft.")
+    source_layers, layers = source.get("feature_layers") or None, list(draft.feature_layers or []) or None
+    if source_layers is not None and source_layers != layers:
+        raise ValueError(f"--init_from {draft.init_from} reads feature_layers={source_layers}; this draft reads "
+                         f"{layers if layers else 'the post-norm feature (feature_layers None)'}: set --feature_layers "
+                         f"{' '.join(map(str, source_layers))}, or start from a single-feature (EAGLE-2) draft.")
+
+
+def _feature_layers(layers) -> None:
+    if not layers:
+        return
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+        raise ValueError(f"--feature_layers must be indices >= 0 into the target's hidden states, got {layers}.")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"--feature_layers has a repeated layer: {layers}.")
 
 
 def check_recipe(config) -> None:
@@ -66,6 +85,7 @@ def check_recipe(config) -> None:
     positive_int("--positions_per_specialist", draft.positions_per_specialist)
     _optional_positive("--intermediate_size", draft.intermediate_size)
     _optional_positive("--draft_vocab_size", draft.draft_vocab_size)
+    _feature_layers(draft.feature_layers)
     if draft.init_from:
         _init_from(draft)
     for source in data.train:
@@ -88,14 +108,29 @@ def check_recipe(config) -> None:
         raise ValueError("no training data: give --train, --prompts or --synthesize_prompts.")
 
 
+def draft_shape_fields(draft) -> dict:
+    """The `PosSDraftConfig.for_target` keywords of a [`PosSDraftArguments`] beyond S, N and the MLP width."""
+    out = {"layer_style": draft.layer_style}
+    if draft.feature_layers:
+        out["feature_layers"] = list(draft.feature_layers)
+    return out
+
+
 def check_draft_fits(config, target) -> None:
     """Build the draft config for ``target`` as the training stage will (before data and features are made)."""
     from ..configuration_poss import PosSDraftConfig
 
     draft = config.draft
+    extra = draft_shape_fields(draft)
     try:
         PosSDraftConfig.for_target(target.config, num_specialists=draft.num_specialists,
                                    positions_per_specialist=draft.positions_per_specialist,
-                                   intermediate_size=draft.intermediate_size, draft_vocab_size=draft.draft_vocab_size)
+                                   intermediate_size=draft.intermediate_size, draft_vocab_size=draft.draft_vocab_size,
+                                   **extra)
     except ValueError as error:
         raise ValueError(f"the draft does not fit the target {config.script.target}: {error}") from None
+    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    count = getattr(text, "num_hidden_layers", None)
+    if draft.feature_layers and count is not None and max(draft.feature_layers) > count:
+        raise ValueError(f"--feature_layers {list(draft.feature_layers)}: the target {config.script.target} has "
+                         f"{count} layers, so its hidden states are 0..{count} ({count} = the post-norm feature).")

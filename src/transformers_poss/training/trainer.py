@@ -23,8 +23,9 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
 from .checkpoints import AtomicCheckpointMixin
-from .features import PosSDataCollator, TargetFeatures, batch_to, draft_inputs
+from .feature_inputs import PosSDataCollator, TargetFeatures, batch_to, check_feature_layout, draft_feature_layers
 from .objective import OBJECTIVE_FIELDS, ObjectiveConfig, ObjectiveFields, check_objective, set_objective
+from .warm_start import init_specialists
 
 logger = logging.get_logger(__name__)
 
@@ -48,12 +49,15 @@ class PosSTrainingArguments(ObjectiveFields, TrainingArguments):
 
     Args:
         num_unrolled_steps, feature_weight, ce_weight, topk_weight, topk, noise, noise_scale, step_weights,
-            attention_chunk_size: the objective (see [`ObjectiveConfig`]).
+            step_weight_decay, attention_chunk_size: the objective (see [`ObjectiveConfig`]; EAGLE-3's:
+            ``feature_weight=0, ce_weight=1, step_weight_decay=0.8``).
         max_length (`int`): tokens per sequence (longer ones are truncated by the collator).
         max_grad_value (`float`, *optional*): clip every gradient entry to [-v, v] before the optimiser step.
         fc_learning_rate_scale (`float`): learning rate of the shared ``fc`` relative to the rest (1.0); ``0`` freezes
             it. In a multi-step draft the later steps give most of ``fc``'s gradient; a draft started from a trained
             EAGLE layer keeps its step-1 behaviour better with a slower or frozen ``fc``.
+        feature_fc_learning_rate_scale (`float`): the same for ``feature_fc``, the fusion of a ``feature_layers``
+            draft's target layers (1.0; new in a warm start from an EAGLE-2 draft, so it learns at the full rate).
         train_budget_minutes (`float`, *optional*): size the schedule to this much wall time: a few batches are timed
             before training and ``max_steps`` is set to the steps that fit (at most ``num_train_epochs`` epochs), so the
             learning-rate schedule always runs to its end. The choice is stored in ``output_dir/schedule.json`` and
@@ -66,6 +70,9 @@ class PosSTrainingArguments(ObjectiveFields, TrainingArguments):
     max_grad_value: float | None = field(default=0.5, metadata={"help": "Clip gradients by value (None: off)."})
     fc_learning_rate_scale: float = field(
         default=1.0, metadata={"help": "Learning rate of the shared fc relative to the rest (0: frozen)."}
+    )
+    feature_fc_learning_rate_scale: float = field(
+        default=1.0, metadata={"help": "Learning rate of feature_fc (feature_layers drafts) relative to the rest."}
     )
     train_budget_minutes: float | None = field(
         default=None, metadata={"help": "Choose max_steps so the whole schedule fits this many minutes (None: off)."}
@@ -92,6 +99,9 @@ class PosSTrainingArguments(ObjectiveFields, TrainingArguments):
         check_objective(self)
         if self.fc_learning_rate_scale < 0:
             raise ValueError(f"fc_learning_rate_scale must be >= 0 (0 freezes fc), got {self.fc_learning_rate_scale}.")
+        if self.feature_fc_learning_rate_scale < 0:
+            raise ValueError("feature_fc_learning_rate_scale must be >= 0 (0 freezes feature_fc), got "
+                             f"{self.feature_fc_learning_rate_scale}.")
         if self.train_budget_minutes is not None and self.train_budget_minutes <= 0:
             raise ValueError(f"train_budget_minutes must be > 0, got {self.train_budget_minutes}.")
 
@@ -134,7 +144,8 @@ class PositionAccuracyCallback(TrainerCallback):
     def __init__(self, eval_batches, target=None, every_steps: int | None = None, prefix: str = "heldout",
                  pad_token_id: int = 0):
         self.batches = list(eval_batches)
-        self.features = TargetFeatures(target) if target is not None else None
+        self.target = target
+        self.features = None  # TargetFeatures for the layers the draft reads, made on first use
         self.every_steps, self.prefix, self.pad_token_id = every_steps, prefix, pad_token_id
         self.history: list[dict] = []
 
@@ -143,11 +154,13 @@ class PositionAccuracyCallback(TrainerCallback):
             return batch
         if self.features is None:
             raise ValueError("Held-out batches without stored features need `target=`.")
-        features = self.features(batch["tokens"], batch["attention_mask"])
-        return draft_inputs(batch["tokens"], batch["loss_mask"], features, self.pad_token_id)
+        return self.features.draft_inputs(batch["tokens"], batch["loss_mask"], batch["attention_mask"],
+                                          self.pad_token_id)
 
     def _run(self, state, model):
         device = next(model.parameters()).device
+        if self.features is None and self.target is not None:
+            self.features = TargetFeatures(self.target, draft_feature_layers(unwrap_draft(model)))
         metrics = evaluate_draft(model, self.batches, lambda b: batch_to(b, device), self._with_features)
         record = {f"{self.prefix}_{k}": v for k, v in metrics.items()} | {"step": state.global_step}
         self.history.append(record)
@@ -175,37 +188,6 @@ def unwrap_draft(model):
             return model
 
 
-@torch.no_grad()
-def init_specialists(draft, source, copy_fc: bool = True, copy_token_map: bool = True):
-    """Initialise ``draft``'s specialists from ``source``: a single-layer (EAGLE/HASS) or PosS draft, or a folder.
-
-    Specialist i gets source layer ``min(i, S_source - 1)``; ``fc`` is copied too when ``copy_fc``, and the source's
-    reduced-vocabulary map (its ``draft_to_target``) when ``copy_token_map``, so the new draft drafts over exactly
-    the tokens its layers were trained on.
-    """
-    if isinstance(source, str):
-        from ..modeling_poss import PosSDraftModel
-
-        try:
-            source = PosSDraftModel.from_pretrained(source)
-        except (OSError, ValueError, KeyError):
-            source = PosSDraftModel.from_official(source, positions_per_specialist=1)
-    mine, theirs = draft.config, source.config
-    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size"):
-        if getattr(mine, name, None) != getattr(theirs, name, None):
-            raise ValueError(f"Cannot initialise from a draft with {name}={getattr(theirs, name, None)} "
-                             f"(this draft has {getattr(mine, name, None)}): both must be drafts for the same target.")
-    for i, layer in enumerate(draft.layers):
-        layer.load_state_dict(source.layers[min(i, len(source.layers) - 1)].state_dict())
-    if copy_fc:
-        draft.fc.load_state_dict(source.fc.state_dict())
-    if copy_token_map and getattr(source, "draft_to_target", None) is not None:
-        from ..vocab import set_token_map
-
-        set_token_map(draft, source.draft_to_target.detach().cpu())
-    return draft
-
-
 class PosSTrainer(AtomicCheckpointMixin, Trainer):
     """Trainer for PosS drafts.
 
@@ -224,13 +206,18 @@ class PosSTrainer(AtomicCheckpointMixin, Trainer):
         if target is not None:
             if not draft.is_attached:
                 draft.attach_target(target)
-            self.target_features = TargetFeatures(target)
+            self.target_features = TargetFeatures(target, draft_feature_layers(draft))
         else:
             self.target_features = None
+        for name in ("train_dataset", "eval_dataset"):  # stored features must be the ones the draft reads
+            dataset = kwargs.get(name)
+            if hasattr(dataset, "feature_layers") and hasattr(dataset, "directory"):
+                check_feature_layout(dataset.feature_layers, draft, f"the features in {dataset.directory}")
         objective = args.objective() if hasattr(args, "objective") else ObjectiveConfig()
         set_objective(draft, objective)
-        if getattr(args, "fc_learning_rate_scale", 1.0) == 0:
-            draft.fc.requires_grad_(False)
+        for module, scale in self._scaled_modules(draft, args):
+            if scale == 0:
+                module.requires_grad_(False)
         self._configure_checkpointing(draft, args)
         self._configure_ddp(draft, args, objective)
         pad = getattr(processing_class, "pad_token_id", None) or draft.config.pad_token_id or 0
@@ -267,20 +254,28 @@ class PosSTrainer(AtomicCheckpointMixin, Trainer):
         args.ddp_find_unused_parameters = len(used) < draft.config.num_specialists
 
     # ------------------------------------------------------------------ optimiser and schedule
+    @staticmethod
+    def _scaled_modules(draft, args) -> list:
+        """``(module, learning-rate scale)`` of the shared ``fc`` and, when the draft has one, ``feature_fc``."""
+        pairs = [("fc", "fc_learning_rate_scale"), ("feature_fc", "feature_fc_learning_rate_scale")]
+        return [(getattr(draft, name), getattr(args, scale, 1.0)) for name, scale in pairs
+                if getattr(draft, name, None) is not None]
+
     def create_optimizer(self, model=None):
-        """The Trainer's optimiser, with the shared ``fc`` in groups of its own at ``fc_learning_rate_scale`` x lr."""
+        """The Trainer's optimiser, with the shared ``fc`` (and ``feature_fc``) in groups of their own at
+        ``fc_learning_rate_scale`` (``feature_fc_learning_rate_scale``) x lr."""
         optimizer = super().create_optimizer(model)
-        scale = getattr(self.args, "fc_learning_rate_scale", 1.0)
-        if scale in (0, 1.0):
-            return optimizer
-        fc = {id(p) for p in unwrap_draft(self.model).fc.parameters()}
-        for group in list(optimizer.param_groups):
-            slow = [p for p in group["params"] if id(p) in fc]
-            if not slow:
+        for module, scale in self._scaled_modules(unwrap_draft(self.model), self.args):
+            if scale in (0, 1.0):
                 continue
-            group["params"] = [p for p in group["params"] if id(p) not in fc]
-            optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": slow,
-                                       "lr": group["lr"] * scale})
+            chosen = {id(p) for p in module.parameters()}
+            for group in list(optimizer.param_groups):
+                slow = [p for p in group["params"] if id(p) in chosen]
+                if not slow:
+                    continue
+                group["params"] = [p for p in group["params"] if id(p) not in chosen]
+                optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": slow,
+                                           "lr": group["lr"] * scale})
         optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
         return optimizer
 
@@ -338,9 +333,8 @@ class PosSTrainer(AtomicCheckpointMixin, Trainer):
             return inputs
         if self.target_features is None:
             raise ValueError("This batch has no stored features: pass `target=` to PosSTrainer for online features.")
-        tokens, attention = inputs["tokens"], inputs["attention_mask"]
-        features = self.target_features(tokens, attention)
-        return draft_inputs(tokens, inputs["loss_mask"], features, self.pad_token_id)
+        return self.target_features.draft_inputs(inputs["tokens"], inputs["loss_mask"], inputs["attention_mask"],
+                                                 self.pad_token_id)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         outputs = model(**self._with_features(inputs))
