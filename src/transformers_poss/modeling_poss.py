@@ -31,7 +31,7 @@ from .modeling_poss_layers import (
     as_bool_mask,
     causal_mask,
 )
-from .quantization.int8 import linear_bias, linear_weight
+from .quantization.int8 import Int8Linear, linear_bias, linear_weight
 from .speculation.draft_cache import PosSDraftCache
 
 
@@ -162,8 +162,20 @@ class PosSDraftModel(PosSPreTrainedModel):
             self._require_target()
             head = self._target_lm_head
             return head(features.to(self._compute_dtype(head)))
+        if isinstance(self._target_lm_head, Int8Linear):  # an int8 head: its draft-vocabulary rows stay int8
+            return self._int8_draft_head()(features)
         weight, bias = self._head_weight()
         return F.linear(features.to(weight.dtype), weight, bias)
+
+    def _int8_draft_head(self) -> Int8Linear:
+        """The draft-vocabulary rows of an int8 target head as one `Int8Linear`, built once: a draft step reads a
+        quarter of the float rows' bytes (the draft only proposes, so its logits need not be batch-invariant)."""
+        head = self._target_lm_head
+        cached = self.__dict__.get("_int8_head")
+        if cached is None or cached[0] is not head.weight_int8_t:
+            cached = (head.weight_int8_t, head.select_rows(self.draft_to_target))
+            self.__dict__["_int8_head"] = cached
+        return cached[1]
 
     def to_target_tokens(self, draft_ids: torch.LongTensor) -> torch.LongTensor:
         """Map draft-vocabulary indices to target token ids (identity without a token map)."""

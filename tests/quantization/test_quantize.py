@@ -8,7 +8,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from test_generation import assert_same, make_draft, prompts
-from transformers_poss import Int8Linear, quantize_int8, use_exact_attention
+from transformers_poss import Int8Linear, PosSDraftConfig, PosSDraftModel, quantize_int8, use_exact_attention
 from transformers_poss.quantization.int8 import has_int8_activations, is_batch_variant, linear_device, linear_weight
 from tree_testing import tiny_gemma3_target, tiny_llama_target
 
@@ -99,3 +99,23 @@ def test_torch_ao_int8_target_refused_fp16_weights_allowed():
     draft = make_draft(fp16)
     for prompt in prompts(2):
         assert_same(fp16, draft, prompt, max_new_tokens=16, do_sample=False)
+
+
+def test_select_rows_keeps_the_int8_rows_and_a_draft_reads_them():
+    """A draft on an int8 target computes its draft-vocabulary logits from the int8 rows of the target head."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 20)
+    full = Int8Linear.from_linear(linear)
+    index = torch.tensor([3, 0, 17, 5])
+    rows = full.select_rows(index)
+    x = torch.randn(6, 32)
+    assert torch.equal(rows(x), full(x)[:, index])
+    assert rows.weight_int8_t.dtype == torch.int8 and rows.out_features == 4
+    target = quantize_int8(tiny_llama_target())
+    config = PosSDraftConfig.for_target(target.config, num_specialists=1, positions_per_specialist=1, draft_vocab_size=16)
+    draft = PosSDraftModel(config).eval()
+    draft.draft_to_target.copy_(torch.randperm(target.config.vocab_size)[:16])
+    draft.attach_target(target)
+    features = torch.randn(2, 3, draft.config.hidden_size)
+    expected = target.lm_head(features)[..., draft.draft_to_target]
+    assert torch.equal(draft.compute_logits(features), expected)

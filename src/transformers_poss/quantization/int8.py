@@ -154,6 +154,18 @@ class Int8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
         return cls(linear.weight, linear.bias)
 
+    def select_rows(self, index: torch.LongTensor) -> Int8Linear:
+        """An `Int8Linear` computing only the output channels ``index`` (e.g. a draft vocabulary's rows of an lm_head),
+        sharing nothing with this one and not quantized again."""
+        rows = Int8Linear.__new__(Int8Linear)
+        nn.Module.__init__(rows)
+        index = index.to(self.weight_scale.device)
+        rows.out_features, rows.in_features = int(index.numel()), self.in_features
+        rows.register_buffer("weight_int8_t", self.weight_int8_t[:, index].contiguous())
+        rows.register_buffer("weight_scale", self.weight_scale[index].clone())
+        rows.register_buffer("bias", None if self.bias is None else self.bias[index].clone())
+        return rows
+
     def dequantized_weight(self) -> torch.Tensor:
         """The float `[out, in]` weight this module computes with."""
         return self.weight_int8_t.t().float() * self.weight_scale[:, None]
