@@ -1,6 +1,6 @@
 """Quantized targets that stay lossless under tree verification.
 
-- `int8`: `Int8Linear` (per-channel int8 weights, per-token 7-bit activations, an exact integer GEMM on fbgemm or ``torch._int_mm``), `quantize_int8`;
+- `int8`: `Int8Linear` (per-channel int8 weights, per-token int8 activations, an exact integer GEMM on fbgemm or ``torch._int_mm``), `quantize_int8`;
 - `exact_attention`: ``attn_implementation="poss_exact"``, attention whose result for a query does not depend on the
   other queries of the forward (needed once activations are rounded to int8).
 """

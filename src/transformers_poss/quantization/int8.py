@@ -133,7 +133,7 @@ def fbgemm_available() -> bool:
 
 
 class Int8Linear(nn.Module):
-    """``y = x W^T + b`` with int8 ``W`` (per output channel scales) and per-token 7-bit integer activations.
+    """``y = x W^T + b`` with int8 ``W`` (per output channel scales) and per-token int8 activations.
 
     Args:
         weight (`torch.Tensor` of shape `[out, in]`): the float weight to quantize.
