@@ -52,13 +52,29 @@ def main(argv: list[str]) -> int:
     if config.script.dry_run:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False))
         return 0
-    return run(config)
+    try:
+        status = run(config)
+        _wait_for_every_rank()
+        return status
+    finally:
+        _end_process_group()
 
 
-def add_arguments(parser) -> None:
-    """For ``poss --help``: the subcommand parses its own arguments (see `main`)."""
-    parser.description = __doc__
-    parser.epilog = build_parser().format_help()
+def _wait_for_every_rank() -> None:
+    """Under torchrun / accelerate: the ranks leave together once the job is done."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _end_process_group() -> None:
+    """Tear a process group down before the interpreter exits (gloo's threads left running at exit abort a rank after
+    the job is done)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------------- stages
