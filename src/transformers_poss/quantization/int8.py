@@ -53,8 +53,12 @@ class QuantizedRows:
     def __init__(self, rows: torch.Tensor):
         self.scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / ACTIVATION_LEVELS
         self.integers = torch.round(rows / self.scale).clamp(-ACTIVATION_LEVELS, ACTIVATION_LEVELS)
+
+    @functools.cached_property
+    def padded(self) -> torch.Tensor:
+        """Built only for fbgemm (the ``torch._int_mm`` path reads ``integers``), once for all projections."""
         high = torch.floor(self.integers * 0.5)
-        self.padded = torch.cat([_pads(rows.shape[1]), high, self.integers - 2 * high])
+        return torch.cat([_pads(self.integers.shape[1]), high, self.integers - 2 * high])
 
 
 _last_input = threading.local()
