@@ -45,15 +45,19 @@ def main():
 
     def batches_for(draft):
         layers = draft_feature_layers(draft)
+        count = target.config.num_hidden_layers
         index = next((i for i, d in enumerate(datasets) if (d.feature_layers or None) == layers), None)
+        if index is None:  # a folder of more layers serves a view of them
+            index = next((i for i, d in enumerate(datasets) if d.can_serve(layers, count)), None)
         if index is None:
             raise SystemExit(f"no --features folder holds the layers this draft reads ({layers}); given: "
                              + ", ".join(f"{f} ({d.feature_layers})" for f, d in zip(folders, datasets)))
-        if index not in batches_of:
-            dataset = datasets[index]
-            batches_of[index] = [collate([dataset[i] for i in range(s, min(len(dataset), s + args.batch_size))])
-                                 for s in range(0, len(dataset), args.batch_size)]
-        return batches_of[index]
+        key = (index, tuple(layers or ()))
+        if key not in batches_of:
+            dataset = FeatureShardDataset(folders[index], feature_layers=layers, num_hidden_layers=count)
+            batches_of[key] = [collate([dataset[i] for i in range(s, min(len(dataset), s + args.batch_size))])
+                               for s in range(0, len(dataset), args.batch_size)]
+        return batches_of[key]
 
     results = {}
     for spec in args.drafts:

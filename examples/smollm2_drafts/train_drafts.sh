@@ -15,7 +15,11 @@
 #   poss2e3  PosS-2 on EAGLE-3: 3 specialists x 2 positions started from the trained eagle3 draft (recipe_poss2e3.yaml)
 #   eagle3c  the eagle3 draft continued for the same compute as poss2e3 (the fair baseline for it)
 # poss2e3 and eagle3c start from RUNS/smollm2-eagle3/final: after eagle3 in the same call, or in a later one
-# (`--train-only eagle3`, then `--train-only poss2e3 eagle3c`).
+# (`--train-only eagle3`, then `--train-only poss2e3 eagle3c`). Two more read layers [2, 15, 30] instead, 30 being
+# the post-norm feature (a view of the same feature folder): with feature_fc the identity on it they start exactly as
+# BASE, so they get the same compute from BASE as eagle2c / hass / poss2, with EAGLE-3's objective:
+#   eagle3pn   one layer, six unrolled steps, token loss only
+#   poss2e3pn  3 specialists x 2 positions, EAGLE-3's objective
 #
 # Compute per draft: the continued EAGLE-2 draft gets as many unrolled draft steps as a six-step draft (6 optimiser
 # steps for each of theirs, same batch), chosen one of two ways:
@@ -49,13 +53,17 @@ declare -A SHAPE=(
   [eagle3]="1 6"    # EAGLE-3 style: one layer, six steps of training-time test, three target layers
   [poss2e3]="3 2"   # PosS-2 on the EAGLE-3-style draft
   [eagle3c]="1 6"   # the EAGLE-3-style draft continued
+  [eagle3pn]="1 6"  # EAGLE-3 style on layers [2, 15, 30], from BASE
+  [poss2e3pn]="3 2" # PosS-2 on layers [2, 15, 30], from BASE
 )
 E3_RECIPE=examples/smollm2_drafts/recipe_eagle3.yaml
 E3_FEATURES="$RUNS/smollm2-features-e3"
 E3_FINAL="$RUNS/smollm2-eagle3/final"
-is_e3() { case "$1" in eagle3|poss2e3|eagle3c) return 0 ;; *) return 1 ;; esac; }
+is_e3() { case "$1" in eagle3|poss2e3|eagle3c|eagle3pn|poss2e3pn) return 0 ;; *) return 1 ;; esac; }
+post_norm_e3() { case "$1" in eagle3pn|poss2e3pn) return 0 ;; *) return 1 ;; esac; }   # layers [2, 15, 30]
 after_e3() { case "$1" in poss2e3|eagle3c) return 0 ;; *) return 1 ;; esac; }   # start from the trained eagle3 draft
-recipe_of() { case "$1" in poss2e3) echo examples/smollm2_drafts/recipe_poss2e3.yaml ;; eagle3|eagle3c) echo "$E3_RECIPE" ;;
+recipe_of() { case "$1" in poss2e3|poss2e3pn) echo examples/smollm2_drafts/recipe_poss2e3.yaml ;;
+  eagle3|eagle3c|eagle3pn) echo "$E3_RECIPE" ;;
   *) echo "$RECIPE" ;; esac; }
 if [ $# -gt 0 ]; then KINDS=("$@"); else KINDS=(eagle2c hass poss2); fi
 for kind in "${KINDS[@]}"; do [ -n "${SHAPE[$kind]:-}" ] || { echo "unknown kind $kind (${!SHAPE[*]})"; exit 2; }; done
@@ -125,6 +133,9 @@ if [ "$MODE" != bench ]; then
           from=$E3_FINAL; extra=(--feature_fc_learning_rate_scale "$fc")   # trained feature_fc: as slow as fc
         else
           extra=(--feature_fc_learning_rate_scale 1.0)   # the warm start's new feature_fc learns at the full rate
+        fi
+        if post_norm_e3 "$kind"; then
+          extra+=(--feature_layers 2 15 30 --feature_fc_init identity)   # starts exactly as BASE
         fi
       fi
       echo "== stage 2: $kind (S=$S N=$N) from $from, ${compute[*]}, fc lr x $fc"

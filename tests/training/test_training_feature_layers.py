@@ -67,6 +67,34 @@ def test_multi_layer_features_online_and_in_shards(tmp_path, layers):
     torch.testing.assert_close(trainer.compute_loss(draft.eval(), offline), trainer.compute_loss(draft, batch))
 
 
+@pytest.mark.parametrize("stored, wanted", [([1, 2, 3], [3, 1]), ([1, 2, 3], [1, 2, 4]), ([0, 4, 2], [4, 2])])
+def test_shards_serve_a_view_of_their_layers(tmp_path, stored, wanted):
+    """A draft reading some of the stored layers (any order, the post-norm layer 4 too when it is stored, as its own
+    tensor or a slot) reads a view of the same folder: the features it would have computed itself."""
+    target = tiny_llama(layers=LAYERS)
+    data = motif_sequences(5)
+    write_feature_shards(target, data, tmp_path, batch_size=4, sequences_per_shard=3, dtype=torch.float32,
+                         progress=False, feature_layers=stored)
+    folder = FeatureShardDataset(tmp_path)
+    assert folder.can_serve(wanted, LAYERS) and not folder.can_serve(wanted + [wanted[0]], LAYERS)
+    if 4 in wanted and 4 not in stored:  # the post-norm layer is only known with the target's layer count
+        assert not folder.can_serve(wanted)
+    view = FeatureShardDataset(tmp_path, feature_layers=wanted, num_hidden_layers=LAYERS)
+    assert view.feature_layers == wanted and view.stored_layers == stored
+    for i in (0, 4):
+        ids = torch.as_tensor(data[i]["input_ids"])[None]
+        torch.testing.assert_close(view[i]["hidden_states"], selected_features(target, ids, wanted)[0],
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(view[i]["last_hidden_state"], _post_norm(target, ids)[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(view.token_ids(i), torch.as_tensor(data[i]["input_ids"]).long())
+    draft = tiny_draft(target, feature_layers=wanted)
+    trainer = PosSTrainer(model=draft, args=_args(tmp_path), target=target, train_dataset=view)
+    batch = PosSDataCollator()([view[i] for i in range(3)])
+    assert torch.isfinite(trainer.compute_loss(draft, batch))
+    with pytest.raises(ValueError, match=r"this draft reads feature_layers=\[0, 3\]"):
+        FeatureShardDataset(tmp_path, feature_layers=[0, 3], num_hidden_layers=LAYERS)
+
+
 def test_mismatched_features_are_refused(tmp_path):
     target = tiny_llama(layers=LAYERS)
     data = motif_sequences(4)

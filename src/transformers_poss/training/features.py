@@ -8,7 +8,9 @@ A draft with ``feature_layers`` (k target layers, EAGLE-3 style) stores the k hi
 ``hidden_states`` `[N, k * H]`, and the post-norm feature ``last_hidden_state`` `[N, H]` that the token loss needs
 (its soft labels are the target's ``lm_head`` of it), unless the post-norm layer is one of the k, whose slot is then
 read instead: ``(k + 1) * H * 2 + 5`` bytes per token (4.4 MiB per 1k tokens for SmolLM2 with layers [2, 15, 27]).
-``features.json`` and each shard's metadata record the layers; a draft of another layout is refused.
+``features.json`` and each shard's metadata record the layers. A draft reading a subset of the stored layers (in any
+order, the post-norm layer ``num_hidden_layers`` included when it is stored) reads a view of the same folder
+(`FeatureShardDataset.can_serve`); a draft of another layout is refused.
 """
 
 from __future__ import annotations
@@ -189,19 +191,26 @@ class FeatureShardDataset(torch.utils.data.Dataset):
     ``"last_hidden_state"`` (the post-norm features `[L, H]`) for multi-layer features.
 
     Tensors are read lazily (memory-mapped) per item, so datasets larger than memory work. ``feature_layers``, when
-    given (a list, or None for the post-norm feature), must be the stored layers, else a ValueError says so.
+    given (a list, or None for the post-norm feature), are the layers the items hold: the stored layers, or a view of
+    them (`can_serve`; ``num_hidden_layers``, the target's layer count, names the post-norm layer); other layers are
+    refused with a ValueError saying what to do.
     """
 
-    def __init__(self, directory, feature_layers=_UNSET):
+    def __init__(self, directory, feature_layers=_UNSET, num_hidden_layers: int | None = None):
         self.directory = Path(directory)
         self.index = json.loads((self.directory / INDEX_FILE).read_text())
-        if feature_layers is not _UNSET:
-            check_feature_layout(self.feature_layers, feature_layers, f"the features in {self.directory}")
         last = self.index.get("last_hidden_state")
         hidden = self.index.get("hidden_size")
         self._last_columns = (last["slot"] * hidden, (last["slot"] + 1) * hidden) if isinstance(last, dict) else None
         # ``hidden_size`` is the target's text hidden size: the width of one stored layer
         self._last_stored = last == "stored"
+        self._view = None  # [(layer, stored tensor, first column, end column)] when not the stored layout
+        if feature_layers is not _UNSET:
+            wanted = draft_feature_layers(feature_layers)
+            if wanted != self.stored_layers and self.can_serve(wanted, num_hidden_layers):
+                self._view = self._view_plan(wanted)
+            else:
+                check_feature_layout(self.stored_layers, feature_layers, f"the features in {self.directory}")
         self._handles = {}
         self._locations = []  # (shard file, start, end)
         for shard in self.index["shards"]:
@@ -210,9 +219,39 @@ class FeatureShardDataset(torch.utils.data.Dataset):
             self._locations += [(shard["file"], a, b) for a, b in zip(offsets[:-1], offsets[1:])]
 
     @property
-    def feature_layers(self) -> list[int] | None:
+    def stored_layers(self) -> list[int] | None:
         """The target layers stored (None: the post-norm feature, as in shards written before layers existed)."""
         return self.index.get("feature_layers")
+
+    @property
+    def feature_layers(self) -> list[int] | None:
+        """The target layers the items' ``hidden_states`` hold: the stored ones, or those of the view asked for."""
+        return [layer for layer, *_ in self._view] if self._view else self.stored_layers
+
+    def can_serve(self, feature_layers, num_hidden_layers: int | None = None) -> bool:
+        """Whether a draft reading ``feature_layers`` can read these features: the stored layers, or (multi-layer
+        shards) any of them in any order, plus the post-norm layer ``num_hidden_layers`` (the target's layer count)
+        when the post-norm feature is stored."""
+        wanted, stored = draft_feature_layers(feature_layers), self.stored_layers
+        if wanted == stored:
+            return True
+        if not wanted or not stored:
+            return False
+        post_norm = num_hidden_layers if (self._last_stored or self._last_columns) else None
+        return len(set(wanted)) == len(wanted) and all(i in stored or i == post_norm for i in wanted)
+
+    def _view_plan(self, wanted: list[int]):
+        hidden, stored = self.index["hidden_size"], self.stored_layers
+        plan = []
+        for layer in wanted:
+            if layer in stored:
+                slot = stored.index(layer)
+                plan.append((layer, "hidden_states", slot * hidden, (slot + 1) * hidden))
+            elif self._last_stored:
+                plan.append((layer, "last_hidden_state", 0, hidden))
+            else:
+                plan.append((layer, "hidden_states", *self._last_columns))
+        return plan
 
     def __len__(self) -> int:
         return len(self._locations)
@@ -228,7 +267,8 @@ class FeatureShardDataset(torch.utils.data.Dataset):
         item = {
             "input_ids": handle.get_slice("input_ids")[start:end].long(),
             "assistant_mask": handle.get_slice("assistant_mask")[start:end].long(),
-            "hidden_states": handle.get_slice("hidden_states")[start:end],
+            "hidden_states": self._read_view(handle, start, end) if self._view else
+            handle.get_slice("hidden_states")[start:end],
         }
         if self._last_stored:
             item["last_hidden_state"] = handle.get_slice("last_hidden_state")[start:end]
@@ -236,6 +276,16 @@ class FeatureShardDataset(torch.utils.data.Dataset):
             a, b = self._last_columns
             item["last_hidden_state"] = handle.get_slice("hidden_states")[start:end, a:b]
         return item
+
+    def token_ids(self, index: int) -> torch.LongTensor:
+        """The stored token ids of sequence ``index`` (its features are not read)."""
+        name, start, end = self._locations[index]
+        return self._handle(name).get_slice("input_ids")[start:end].long()
+
+    def _read_view(self, handle, start: int, end: int) -> torch.Tensor:
+        """The view's layers of one sequence, `[L, k * H]`."""
+        tensors = {name: handle.get_slice(name)[start:end] for name in {name for _, name, _, _ in self._view}}
+        return torch.cat([tensors[name][:, a:b] for _, name, a, b in self._view], dim=-1)
 
     def __getstate__(self):  # dataloader workers reopen the files
         state = dict(self.__dict__)
