@@ -158,6 +158,12 @@ class PosSDraftModel(PosSPreTrainedModel):
             features = self.norm(features.to(self.norm.weight.dtype))
         if self.lm_head is not None:
             return self.lm_head(features.to(self._compute_dtype(self.lm_head)))
+        return self.target_logits(features)
+
+    def target_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The TARGET's logits `[..., V']` over the drafting vocabulary of `[..., H]` features: its lm_head (the
+        draft-vocabulary rows), never the draft's final ``norm`` or own ``lm_head``. Of the target's post-norm
+        features these are the soft labels of training."""
         if self.draft_to_target is None:
             self._require_target()
             head = self._target_lm_head

@@ -191,7 +191,16 @@ def test_soft_labels_are_the_targets_lm_head():
         features = torch.randn(5, 64)
         with torch.no_grad():
             torch.testing.assert_close(soft_label_logits(draft, features), target.lm_head(features))
+            torch.testing.assert_close(draft.target_logits(features), target.lm_head(features))
             assert not torch.allclose(draft.compute_logits(features), target.lm_head(features))
+            if draft.lm_head is None:  # a reduced drafting vocabulary: the target head's rows
+                rows = torch.tensor([5, 0, 17, 3])
+                set_token_map(draft, rows)
+                torch.testing.assert_close(draft.target_logits(features), target.lm_head(features)[:, rows])
+    from transformers_poss import PosSDraftModel
+
+    with pytest.raises(RuntimeError, match="Training needs the target attached"):
+        soft_label_logits(PosSDraftModel(draft.config), features)
 
 
 # ---------------------------------------------------------------------------------------------------- init

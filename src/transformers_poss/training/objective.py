@@ -241,16 +241,10 @@ def _step_masks(loss_mask: torch.Tensor, num_steps: int) -> list[torch.BoolTenso
 def soft_label_logits(draft, features: torch.Tensor) -> torch.Tensor:
     """The TARGET's logits `[..., V']` over the drafting vocabulary of `[..., H]` target post-norm features: the
     soft labels. The target's lm_head rows, never the draft's final norm (``eagle3`` style) or own lm_head."""
-    public = getattr(draft, "target_logits", None)
-    if callable(public):
-        return public(features)
-    if getattr(draft, "norm", None) is None and getattr(draft, "lm_head", None) is None:
-        return draft.compute_logits(features)  # the target's lm_head (rows), as drafting uses it
-    if getattr(draft, "_target_lm_head", None) is None:
+    if not getattr(draft, "is_attached", False):
         raise RuntimeError("Training needs the target attached (`draft.attach_target(target)`): its lm_head gives "
                            "the soft labels.")
-    weight, bias = draft._head_weight()
-    return F.linear(features.to(weight.dtype), weight, bias)
+    return draft.target_logits(features)
 
 
 def _check_widths(draft, target_hidden_states, target_last_hidden_state):
