@@ -161,6 +161,17 @@ def test_poss_train_warm_starts_a_feature_layers_draft(tmp_path, tiny_chat_targe
         plain = model.generate(prompt, max_new_tokens=12, do_sample=False)
         drafted = model.generate(prompt, assistant_model=draft, max_new_tokens=12, do_sample=False)
     assert torch.equal(drafted, plain)
+    # a draft reading the post-norm layer beside layer 0 trains from a view of the same folder, nothing rewritten
+    shards = sorted((out / "features").rglob("*.safetensors"))
+    stamps = [f.stat().st_mtime_ns for f in shards]
+    count = model.config.num_hidden_layers
+    view = list(flags)
+    view[view.index("--feature_layers") + 1: view.index("--feature_layers") + 2] = [str(count), "0"]
+    view[view.index("--output_dir") + 1] = str(tmp_path / "view")
+    assert main(view + ["--features_dir", str(out / "features"), "--feature_fc_init", "identity",
+                        "--max_steps", "1"]) == 0
+    assert [f.stat().st_mtime_ns for f in shards] == stamps
+    assert PosSDraftModel.from_pretrained(tmp_path / "view" / "final").config.feature_layers == [count, 0]
     # the same features folder refuses a draft of another layout
     plain = flags[:flags.index("--feature_layers")] + flags[flags.index("--feature_layers") + 2:]
     assert main(plain + ["--init_from", "None", "--stage", "features"]) != 0
