@@ -95,13 +95,29 @@ def test_shards_serve_a_view_of_their_layers(tmp_path, stored, wanted):
         FeatureShardDataset(tmp_path, feature_layers=[0, 3], num_hidden_layers=LAYERS)
 
 
+@pytest.mark.parametrize("stored", [[1, 2], [0, 4]])
+def test_single_feature_drafts_read_the_post_norm_feature_of_multi_layer_shards(tmp_path, stored):
+    target = tiny_llama(layers=LAYERS)
+    data = motif_sequences(4)
+    write_feature_shards(target, data, tmp_path, batch_size=4, dtype=torch.float32, progress=False,
+                         feature_layers=stored)
+    view = FeatureShardDataset(tmp_path, feature_layers=None)
+    assert view.feature_layers is None and view.stored_layers == stored
+    ids = torch.as_tensor(data[2]["input_ids"])[None]
+    assert set(view[2]) == {"input_ids", "assistant_mask", "hidden_states"}
+    torch.testing.assert_close(view[2]["hidden_states"], _post_norm(target, ids)[0], rtol=1e-5, atol=1e-5)
+    draft = tiny_draft(target)
+    trainer = PosSTrainer(model=draft, args=_args(tmp_path), target=target, train_dataset=view)
+    assert torch.isfinite(trainer.compute_loss(draft, PosSDataCollator()([view[0], view[1]])))
+
+
 def test_mismatched_features_are_refused(tmp_path):
     target = tiny_llama(layers=LAYERS)
     data = motif_sequences(4)
     write_feature_shards(target, data, tmp_path / "e3", progress=False, feature_layers=[1, 2, 4])
     write_feature_shards(target, data, tmp_path / "plain", progress=False)
-    with pytest.raises(ValueError, match=r"hold feature_layers=\[1, 2, 4\], but this draft reads the post-norm"):
-        FeatureShardDataset(tmp_path / "e3", feature_layers=None)
+    with pytest.raises(ValueError, match=r"hold the post-norm feature only .*, but this draft reads feature_layers"):
+        FeatureShardDataset(tmp_path / "plain", feature_layers=[1, 2, 4], num_hidden_layers=LAYERS)
     with pytest.raises(ValueError, match="write these features into another folder"):
         write_feature_shards(target, data, tmp_path / "e3", progress=False, feature_layers=[0, 3])
     with pytest.raises(ValueError, match="another folder"):

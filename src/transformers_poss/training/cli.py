@@ -165,17 +165,17 @@ def build_datasets(config: PosSTrainConfig, target, tokenizer, write: bool = Tru
 
 
 def _serves(folder: Path, target, dataset, layers, num_hidden_layers) -> bool:
-    """True when ``folder`` holds finished multi-layer features of other layers, among them every layer the draft
-    reads (a view, see `FeatureShardDataset.can_serve`), computed by this target for exactly these sequences: then
-    nothing is recomputed."""
+    """True when ``folder`` holds finished multi-layer features of other layers that serve the draft's (a view, see
+    `FeatureShardDataset.can_serve`), computed by this target for exactly these sequences: then nothing is
+    recomputed."""
     import torch
 
     from .features import INDEX_FILE, FeatureShardDataset, target_fingerprint
 
-    if not layers or not (folder / INDEX_FILE).exists():
+    if not (folder / INDEX_FILE).exists():
         return False
     stored = FeatureShardDataset(folder)
-    if stored.stored_layers == list(layers) or not stored.can_serve(layers, num_hidden_layers):
+    if stored.stored_layers == (list(layers) if layers else None) or not stored.can_serve(layers, num_hidden_layers):
         return False  # the same layers are checked and resumed by write_feature_shards
     if len(stored) != len(dataset) or stored.index.get("target_fingerprint") != target_fingerprint(target):
         return False

@@ -9,8 +9,9 @@ A draft with ``feature_layers`` (k target layers, EAGLE-3 style) stores the k hi
 (its soft labels are the target's ``lm_head`` of it), unless the post-norm layer is one of the k, whose slot is then
 read instead: ``(k + 1) * H * 2 + 5`` bytes per token (4.4 MiB per 1k tokens for SmolLM2 with layers [2, 15, 27]).
 ``features.json`` and each shard's metadata record the layers. A draft reading a subset of the stored layers (in any
-order, the post-norm layer ``num_hidden_layers`` included when it is stored) reads a view of the same folder
-(`FeatureShardDataset.can_serve`); a draft of another layout is refused.
+order, and the post-norm layer ``num_hidden_layers`` beside them) reads a view of the same folder, and so does a
+single-feature draft (the post-norm feature alone; `FeatureShardDataset.can_serve`); a draft of another layout is
+refused.
 """
 
 from __future__ import annotations
@@ -205,10 +206,11 @@ class FeatureShardDataset(torch.utils.data.Dataset):
         # ``hidden_size`` is the target's text hidden size: the width of one stored layer
         self._last_stored = last == "stored"
         self._view = None  # [(layer, stored tensor, first column, end column)] when not the stored layout
+        self._view_layers = None
         if feature_layers is not _UNSET:
             wanted = draft_feature_layers(feature_layers)
             if wanted != self.stored_layers and self.can_serve(wanted, num_hidden_layers):
-                self._view = self._view_plan(wanted)
+                self._view, self._view_layers = self._view_plan(wanted or [None]), wanted
             else:
                 check_feature_layout(self.stored_layers, feature_layers, f"the features in {self.directory}")
         self._handles = {}
@@ -226,25 +228,27 @@ class FeatureShardDataset(torch.utils.data.Dataset):
     @property
     def feature_layers(self) -> list[int] | None:
         """The target layers the items' ``hidden_states`` hold: the stored ones, or those of the view asked for."""
-        return [layer for layer, *_ in self._view] if self._view else self.stored_layers
+        return self._view_layers if self._view else self.stored_layers
 
     def can_serve(self, feature_layers, num_hidden_layers: int | None = None) -> bool:
         """Whether a draft reading ``feature_layers`` can read these features: the stored layers, or (multi-layer
-        shards) any of them in any order, plus the post-norm layer ``num_hidden_layers`` (the target's layer count)
-        when the post-norm feature is stored."""
+        shards, which keep the post-norm feature) any of them in any order, plus the post-norm layer
+        ``num_hidden_layers`` (the target's layer count), or the post-norm feature alone (``None``: a single-feature
+        draft)."""
         wanted, stored = draft_feature_layers(feature_layers), self.stored_layers
         if wanted == stored:
             return True
-        if not wanted or not stored:
+        if not stored:
             return False
-        post_norm = num_hidden_layers if (self._last_stored or self._last_columns) else None
-        return len(set(wanted)) == len(wanted) and all(i in stored or i == post_norm for i in wanted)
+        if not wanted:
+            return True  # multi-layer shards always hold the post-norm feature
+        return len(set(wanted)) == len(wanted) and all(i in stored or i == num_hidden_layers for i in wanted)
 
     def _view_plan(self, wanted: list[int]):
         hidden, stored = self.index["hidden_size"], self.stored_layers
         plan = []
-        for layer in wanted:
-            if layer in stored:
+        for layer in wanted:  # None: the post-norm feature
+            if layer is not None and layer in stored:
                 slot = stored.index(layer)
                 plan.append((layer, "hidden_states", slot * hidden, (slot + 1) * hidden))
             elif self._last_stored:
@@ -270,6 +274,8 @@ class FeatureShardDataset(torch.utils.data.Dataset):
             "hidden_states": self._read_view(handle, start, end) if self._view else
             handle.get_slice("hidden_states")[start:end],
         }
+        if self._view and self._view_layers is None:
+            return item  # a single-feature draft's items: its features are the post-norm ones
         if self._last_stored:
             item["last_hidden_state"] = handle.get_slice("last_hidden_state")[start:end]
         elif self._last_columns is not None:
