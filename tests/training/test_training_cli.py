@@ -172,10 +172,16 @@ def test_poss_train_warm_starts_a_feature_layers_draft(tmp_path, tiny_chat_targe
                         "--max_steps", "1"]) == 0
     assert [f.stat().st_mtime_ns for f in shards] == stamps
     assert PosSDraftModel.from_pretrained(tmp_path / "view" / "final").config.feature_layers == [count, 0]
-    # the same features folder refuses a draft of another layout
+    # a single-feature draft reads the post-norm feature of the same folder; layers it lacks are refused
     plain = flags[:flags.index("--feature_layers")] + flags[flags.index("--feature_layers") + 2:]
-    assert main(plain + ["--init_from", "None", "--stage", "features"]) != 0
-    assert "holds target features of feature_layers=[0]" in capsys.readouterr().err
+    assert main(plain + ["--init_from", "None", "--stage", "features"]) == 0
+    assert [f.stat().st_mtime_ns for f in shards] == stamps
+    # single-feature shards cannot serve a multi-layer draft: refused, with what to do
+    single = ["--features_dir", str(tmp_path / "single"), "--init_from", "None", "--stage", "features"]
+    assert main(plain + single) == 0
+    capsys.readouterr()
+    assert main(flags + single) != 0
+    assert "holds target features of the post-norm feature only" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("features", ["offline", "online"])
