@@ -12,7 +12,8 @@
 # The EAGLE-3-style kinds (as in train_drafts.sh) read target layers [2, 15, 27] from features of their own
 # (runs/smollm2-gpu-features-e3): eagle3 starts from the EAGLE-2 draft (warm start), poss2e3 and eagle3c from the
 # trained eagle3 draft, so they train in a second round after the first; with a budget the two rounds share the time
-# left after stage 1 equally.
+# left after stage 1 equally. eagle3pn and poss2e3pn read layers [2, 15, 30] (30: the post-norm feature) from the
+# same features and start from the EAGLE-2 draft exactly (first round, lr 1e-4).
 #
 # The drafts land in runs/smollm2-gpu-KIND/final. Benchmark them on the CPU with train_drafts.sh --bench-only
 # (RUNS=runs, edit the labels).
@@ -33,9 +34,9 @@ EXTRA=(${EXTRA:-})                  # more flags for every training run (e.g. "-
 RECIPE=examples/smollm2_drafts/recipe.yaml
 START=$(date +%s)
 declare -A SHAPE=([eagle2c]="1 1" [hass]="1 6" [poss1]="6 1" [poss2]="3 2" [poss3]="2 3" [eagle3]="1 6" [poss2e3]="3 2"
-                  [eagle3c]="1 6")
+                  [eagle3c]="1 6" [eagle3pn]="1 6" [poss2e3pn]="3 2")
 E3_RECIPE=examples/smollm2_drafts/recipe_eagle3.yaml
-is_e3() { case "$1" in eagle3|poss2e3|eagle3c) return 0 ;; *) return 1 ;; esac; }
+is_e3() { case "$1" in eagle3|poss2e3|eagle3c|eagle3pn|poss2e3pn) return 0 ;; *) return 1 ;; esac; }
 after_e3() { case "$1" in poss2e3|eagle3c) return 0 ;; *) return 1 ;; esac; }
 want_e3=""; round2=""
 for kind in "${KINDS[@]}"; do
@@ -89,7 +90,9 @@ run_round() {
     if is_e3 "$kind"; then
       features=(--features_dir runs/smollm2-gpu-features-e3); recipe=$E3_RECIPE
       extra=(--feature_fc_learning_rate_scale 1.0)
-      [ "$kind" = poss2e3 ] && recipe=examples/smollm2_drafts/recipe_poss2e3.yaml
+      case "$kind" in poss2e3|poss2e3pn) recipe=examples/smollm2_drafts/recipe_poss2e3.yaml ;; esac
+      case "$kind" in eagle3pn|poss2e3pn)   # layers [2, 15, 30] (30: post-norm), a view of the same features
+        extra+=(--feature_layers 2 15 30 --feature_fc_init identity --learning_rate 1e-4) ;; esac
       if after_e3 "$kind"; then from=runs/smollm2-gpu-eagle3/final; extra=(--feature_fc_learning_rate_scale $fc); fi
     fi
     $PY -m transformers_poss train --config "$recipe" "${DATA_SET[@]}" --device "$DEVICE" "${features[@]}" \

@@ -249,6 +249,7 @@ class PosSDraftModel(PosSPreTrainedModel):
         return_loss: bool = True,
         assistant_mask: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
+        last_hidden_state: torch.Tensor | None = None,
         **training_inputs,
     ) -> PosSDraftOutput:
         """Run one specialist over context pairs.
@@ -265,14 +266,16 @@ class PosSDraftModel(PosSPreTrainedModel):
                 objective (see ``transformers_poss.training``), as do the other ``training_inputs``.
             return_loss (`bool`): unused; declared so that a plain `Trainer` knows the loss comes back without labels
                 (it then reports ``eval_loss``).
-            assistant_mask, hidden_states: dataset columns that `PosSDataCollator` turns into ``loss_mask`` and
-                ``target_hidden_states``; declared so that the Trainer's ``remove_unused_columns=True`` keeps them.
-                Passing them here is an error.
+            assistant_mask, hidden_states, last_hidden_state: dataset columns that `PosSDataCollator` turns into
+                ``loss_mask``, ``target_hidden_states`` and ``target_last_hidden_state`` (multi-layer features);
+                declared so that the Trainer's ``remove_unused_columns=True`` keeps them. Passing them here is an
+                error.
         """
-        if assistant_mask is not None or hidden_states is not None:
+        if assistant_mask is not None or hidden_states is not None or last_hidden_state is not None:
             raise ValueError(
-                "`assistant_mask` / `hidden_states` are dataset columns, not draft inputs: collate the examples with "
-                "transformers_poss.training.PosSDataCollator (it builds loss_mask and target_hidden_states)."
+                "`assistant_mask` / `hidden_states` / `last_hidden_state` are dataset columns, not draft inputs: "
+                "collate the examples with transformers_poss.training.PosSDataCollator (it builds loss_mask, "
+                "target_hidden_states and target_last_hidden_state)."
             )
         if loss_mask is not None:
             training_inputs["loss_mask"] = loss_mask

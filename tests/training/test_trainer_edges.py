@@ -49,6 +49,23 @@ def test_plain_trainer_defaults_train_and_report_eval_loss(tmp_path):
     assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-4)
 
 
+def test_plain_trainer_keeps_multi_layer_columns_of_a_datasets_dataset(tmp_path):
+    """An HF `datasets.Dataset` of multi-layer features: the stock Trainer (remove_unused_columns=True) keeps the
+    ``last_hidden_state`` column the token loss needs."""
+    datasets = pytest.importorskip("datasets")
+    target = tiny_llama(layers=4)
+    draft = tiny_draft(target, feature_layers=[1, 2]).train()
+    compute = TargetFeatures(target, [1, 2])
+    rows = []
+    for item in _stored_sequences(target, 8):
+        features, last = compute.compute(item["input_ids"][None])
+        rows.append({"input_ids": item["input_ids"], "assistant_mask": item["assistant_mask"],
+                     "hidden_states": features[0], "last_hidden_state": last[0]})
+    train = datasets.Dataset.from_list(rows).with_format("torch")
+    trainer = Trainer(model=draft, args=_args(tmp_path), train_dataset=train, data_collator=PosSDataCollator())
+    assert trainer.args.remove_unused_columns and trainer.train().training_loss > 0
+
+
 def test_plain_trainer_eval_loss_with_predictions(tmp_path):
     """prediction_loss_only=False (the default) must not trip over the draft's non-logit outputs."""
     target = tiny_llama()
