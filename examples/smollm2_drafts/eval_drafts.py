@@ -46,8 +46,9 @@ def main():
     def batches_for(draft):
         layers = draft_feature_layers(draft)
         count = target.config.num_hidden_layers
+        # the folder of exactly these layers first, else one of more layers (a view)
         index = next((i for i, d in enumerate(datasets) if (d.feature_layers or None) == layers), None)
-        if index is None:  # a folder of more layers serves a view of them
+        if index is None:
             index = next((i for i, d in enumerate(datasets) if d.can_serve(layers, count)), None)
         if index is None:
             raise SystemExit(f"no --features folder holds the layers this draft reads ({layers}); given: "

@@ -155,32 +155,13 @@ def build_datasets(config: PosSTrainConfig, target, tokenizer, write: bool = Tru
     out = []
     for name, dataset in zip(("train", "eval"), datasets):
         if len(dataset):
-            if write and not _serves(root / name, target, dataset, layers, count):
+            if write:
                 write_feature_shards(target, dataset, root / name, dtype=dtype, batch_size=script.features_batch_size,
                                      feature_layers=layers)
             out.append(FeatureShardDataset(root / name, feature_layers=layers, num_hidden_layers=count))
         else:
             out.append(None)
     return out
-
-
-def _serves(folder: Path, target, dataset, layers, num_hidden_layers) -> bool:
-    """True when ``folder`` holds finished multi-layer features of other layers that serve the draft's (a view, see
-    `FeatureShardDataset.can_serve`), computed by this target for exactly these sequences: then nothing is
-    recomputed."""
-    import torch
-
-    from .features import INDEX_FILE, FeatureShardDataset, target_fingerprint
-
-    if not (folder / INDEX_FILE).exists():
-        return False
-    stored = FeatureShardDataset(folder)
-    if stored.stored_layers == (list(layers) if layers else None) or not stored.can_serve(layers, num_hidden_layers):
-        return False  # the same layers are checked and resumed by write_feature_shards
-    if len(stored) != len(dataset) or stored.index.get("target_fingerprint") != target_fingerprint(target):
-        return False
-    return all(torch.equal(stored.token_ids(i), torch.as_tensor(dataset[i]["input_ids"]).long())
-               for i in range(len(dataset)))
 
 
 def build_draft(config: PosSTrainConfig, target, train_dataset, tokenizer):

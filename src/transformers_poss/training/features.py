@@ -114,6 +114,23 @@ def _shard_matches(path: Path, items: list[dict], fingerprint: str | None = None
     return torch.equal(stored_ids, ids) and torch.equal(stored_mask, mask)
 
 
+def _holds_view(directory: Path, dataset, fingerprint: str, layers, num_hidden_layers) -> bool:
+    """True when ``directory`` holds finished features of other layers that serve ``layers`` (a view,
+    `FeatureShardDataset.can_serve`), computed by the same target for exactly these sequences."""
+    if not (directory / INDEX_FILE).exists():
+        return False
+    stored = FeatureShardDataset(directory)
+    if not stored.can_serve(layers, num_hidden_layers) or len(stored) != len(dataset):
+        return False
+    start = 0
+    for shard in stored.index["shards"]:
+        items = [dataset[i] for i in range(start, start + shard["sequences"])]
+        if not _shard_matches(directory / shard["file"], items, fingerprint, stored.stored_layers):
+            return False
+        start += shard["sequences"]
+    return True
+
+
 def write_feature_shards(target, dataset, output_dir, batch_size: int = 8, sequences_per_shard: int = 512,
                          dtype: torch.dtype = torch.bfloat16, device=None, progress: bool = True,
                          feature_layers: list[int] | None = None) -> dict:
@@ -127,20 +144,23 @@ def write_feature_shards(target, dataset, output_dir, batch_size: int = 8, seque
         dataset: items ``{"input_ids": [L], "assistant_mask": [L]}`` (e.g. a [`ConversationDataset`]).
         dtype: storage dtype of the features (bf16 halves the disk size of fp32).
         feature_layers: the target layers the draft reads (its ``config.feature_layers``); None: the post-norm
-            feature. A folder holding features of other layers is refused (give another ``output_dir``).
+            feature. A folder holding features of other layers is left as it is when it serves these layers for
+            exactly these sequences (a view, see `FeatureShardDataset`), else refused (give another ``output_dir``).
     Returns:
         the index written to ``output_dir/features.json``.
     """
     output_dir = Path(output_dir)
     layers = list(feature_layers) if feature_layers else None
     existing = stored_feature_layers(output_dir)
+    fingerprint = target_fingerprint(target)
+    compute = TargetFeatures(target, layers)
     if existing is not _UNSET and (list(existing) if existing else None) != layers:
+        if _holds_view(output_dir, dataset, fingerprint, layers, compute.num_hidden_layers):
+            return json.loads((output_dir / INDEX_FILE).read_text())  # read as a view: nothing to write
         raise ValueError(f"{output_dir} holds target features of {describe_layers(existing)}, not "
                          f"{describe_layers(layers)}: write these features into another folder (--features_dir), or "
                          "delete that folder.")
     output_dir.mkdir(parents=True, exist_ok=True)
-    fingerprint = target_fingerprint(target)
-    compute = TargetFeatures(target, layers)
     # the post-norm feature is stored on its own only when it is not one of the selected layers (then its slot is
     # read): the exact soft labels need it, and an H-wide bf16 row is far smaller than the target's logits or top-k
     slot = layers.index(compute.num_hidden_layers) if layers and compute.num_hidden_layers in layers else None
@@ -205,7 +225,7 @@ class FeatureShardDataset(torch.utils.data.Dataset):
         self._last_columns = (last["slot"] * hidden, (last["slot"] + 1) * hidden) if isinstance(last, dict) else None
         # ``hidden_size`` is the target's text hidden size: the width of one stored layer
         self._last_stored = last == "stored"
-        self._view = None  # [(layer, stored tensor, first column, end column)] when not the stored layout
+        self._view = None  # [(stored tensor, first column, end column)] per layer read, when not the stored layout
         self._view_layers = None
         if feature_layers is not _UNSET:
             wanted = draft_feature_layers(feature_layers)
@@ -244,17 +264,17 @@ class FeatureShardDataset(torch.utils.data.Dataset):
             return True  # multi-layer shards always hold the post-norm feature
         return len(set(wanted)) == len(wanted) and all(i in stored or i == num_hidden_layers for i in wanted)
 
-    def _view_plan(self, wanted: list[int]):
+    def _view_plan(self, wanted: list) -> list[tuple[str, int, int]]:
         hidden, stored = self.index["hidden_size"], self.stored_layers
         plan = []
         for layer in wanted:  # None: the post-norm feature
             if layer is not None and layer in stored:
                 slot = stored.index(layer)
-                plan.append((layer, "hidden_states", slot * hidden, (slot + 1) * hidden))
+                plan.append(("hidden_states", slot * hidden, (slot + 1) * hidden))
             elif self._last_stored:
-                plan.append((layer, "last_hidden_state", 0, hidden))
+                plan.append(("last_hidden_state", 0, hidden))
             else:
-                plan.append((layer, "hidden_states", *self._last_columns))
+                plan.append(("hidden_states", *self._last_columns))
         return plan
 
     def __len__(self) -> int:
@@ -290,8 +310,8 @@ class FeatureShardDataset(torch.utils.data.Dataset):
 
     def _read_view(self, handle, start: int, end: int) -> torch.Tensor:
         """The view's layers of one sequence, `[L, k * H]`."""
-        tensors = {name: handle.get_slice(name)[start:end] for name in {name for _, name, _, _ in self._view}}
-        return torch.cat([tensors[name][:, a:b] for _, name, a, b in self._view], dim=-1)
+        tensors = {name: handle.get_slice(name)[start:end] for name in {name for name, _, _ in self._view}}
+        return torch.cat([tensors[name][:, a:b] for name, a, b in self._view], dim=-1)
 
     def __getstate__(self):  # dataloader workers reopen the files
         state = dict(self.__dict__)
