@@ -4,15 +4,7 @@ Importing the package registers the Auto classes (``AutoConfig`` / ``AutoModel``
 and makes ``generate(assistant_model=draft)`` run tree speculation when ``draft`` is a [`PosSDraftModel`].
 """
 
-import os as _os
-import sys as _sys
-
-if "torch" not in _sys.modules:
-    # OpenMP threads that sleep instead of spinning between the many small operations of a draft step: several
-    # times faster on CPUs shared with other work (set before torch is imported; a user setting wins).
-    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from transformers import AutoConfig, AutoModel  # noqa: E402
+from transformers import AutoConfig, AutoModel
 
 from . import _transformers_compat  # noqa: F401  (checks transformers' private internals first; one clear error)
 from .configuration_poss import PosSDraftConfig

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+WAIT_POLICY_FLAG = "--omp-wait-policy"
+WAIT_POLICIES = ("active", "passive")
 
 
 # name -> (module implementing it, one-line help)
@@ -34,6 +38,39 @@ def _chosen(argv: list[str]) -> str | None:
     return None
 
 
+def take_wait_policy(argv: list[str]) -> tuple[list[str], str | None]:
+    """``argv`` without ``--omp-wait-policy VALUE`` (or ``--omp_wait_policy=VALUE``, accepted anywhere) and the value.
+
+    OpenMP reads ``OMP_WAIT_POLICY`` once, when torch loads it, so the command sets the variable and starts itself
+    again; nothing is changed when the flag is absent (the user's environment decides)."""
+    rest, value, i = [], None, 0
+    while i < len(argv):
+        arg = argv[i]
+        name, _, inline = arg.partition("=")
+        if name.replace("_", "-") == WAIT_POLICY_FLAG:
+            if not inline:
+                if i + 1 >= len(argv):
+                    raise SystemExit(f"poss: error: {WAIT_POLICY_FLAG} needs a value: one of {', '.join(WAIT_POLICIES)}")
+                inline, i = argv[i + 1], i + 1
+            value = inline.strip().lower()
+            if value not in WAIT_POLICIES:
+                raise SystemExit(f"poss: error: {WAIT_POLICY_FLAG} {inline!r}: choose one of {', '.join(WAIT_POLICIES)}")
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, value
+
+
+def _restart_with_wait_policy(argv: list[str], policy: str) -> None:
+    """Run ``poss argv`` again in a fresh interpreter with ``OMP_WAIT_POLICY=policy`` (a no-op when already set)."""
+    if os.environ.get("OMP_WAIT_POLICY", "").lower() == policy:
+        return
+    os.environ["OMP_WAIT_POLICY"] = policy.upper()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "transformers_poss", *argv])
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """Top-level parser; only the chosen subcommand's module is imported to fill in its options."""
     from .errors import ShortErrorParser
@@ -41,6 +78,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = ShortErrorParser(prog="poss", description="PosS tree speculative decoding for transformers")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error (or POSS_DEBUG=1)")
+    parser.add_argument(WAIT_POLICY_FLAG, choices=WAIT_POLICIES, default=None,
+                        help="run with OMP_WAIT_POLICY set to this (default: the environment's; `passive` is faster on "
+                             "a busy or shared CPU, `active` on a quiet one: docs/budget.md)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = _chosen(argv)
     for name, (module, summary) in COMMANDS.items():
@@ -55,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import log_to_stderr, run_reporting_errors, short_warnings, take_debug_flag
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    argv, policy = take_wait_policy(argv)
+    if policy is not None:
+        _restart_with_wait_policy(argv, policy)
     argv, debug = take_debug_flag(argv)
     short_warnings(debug)
     chosen = _chosen(argv)
