@@ -167,8 +167,14 @@ def tree_verification_mask(
 
 
 def _windows(config) -> dict[str, int | None]:
-    """Attention window per layer type of the target (None = full attention)."""
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    """Attention window per layer type of the target (None = full attention).
+
+    A config with ``sliding_window`` set and no ``layer_types`` (Mistral, Phi-3, Mixtral, Starcoder2) slides in every
+    layer: those models build one sliding-window mask for all layers, so the single mask carries the window.
+    """
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        return {"full_attention": getattr(config, "sliding_window", None)}
     windows = {}
     for layer_type in layer_types:
         if layer_type not in KNOWN_LAYER_TYPES:
