@@ -17,6 +17,7 @@ checkpoints of `training.checkpoints`) are checked by `check_trainer` when that 
 from __future__ import annotations
 
 import inspect
+import os
 
 import transformers
 from transformers.generation.utils import GenerationMixin
@@ -158,3 +159,21 @@ def check_trainer() -> None:
     from transformers import Trainer
 
     check_transformers({(Trainer, name): parameters for name, parameters in TRAINER_PARAMETERS.items()})
+
+
+def custom_generate_location() -> str | None:
+    """The ``custom_generate=`` folder or Hub id of the `GenerationMixin.generate` call running now, or None.
+
+    transformers runs a repository's ``custom_generate/generate.py`` from a copy in its modules cache and does not
+    pass the repository to it; the running ``generate`` frame (a local variable ``custom_generate``) still names it.
+    This is what lets an exported folder find the draft stored beside its code after being copied or moved.
+    """
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "generate" and frame.f_globals.get("__name__") == GenerationMixin.__module__:
+            value = frame.f_locals.get("custom_generate")
+            return str(value) if isinstance(value, (str, os.PathLike)) else None
+        frame = frame.f_back
+    return None

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from .checks import TREE_KEYS
+from .folders import check_output_folder, staged_folder
 from .modeling_poss import PosSDraftModel
 
 logger = logging.getLogger(__name__)
@@ -143,9 +145,23 @@ def eagle_config(draft, dtype: torch.dtype | None = None, engine: str = "vllm") 
             "target_model_type": config.target_model_type,
             "fc_bias_trained": bool(config.fc_bias),
             "draft_vocab_size": config.draft_vocab_size,
+            "positions_per_specialist": config.positions_per_specialist,
+            "generation": tree_settings(draft),
         },
     }
     return out
+
+
+def tree_settings(draft) -> dict:
+    """The draft's tree shape (``tree_depth``, ``tree_top_k``, ``tree_total_tokens``), kept in an exported config's
+    ``transformers_poss`` section so that converting the checkpoint back restores it."""
+    return {key: getattr(draft.generation_config, key, None) for key in TREE_KEYS}
+
+
+def _source_folder(draft) -> str | None:
+    """The local folder ``draft`` was loaded from (None for a draft built in memory or read from the Hub cache)."""
+    name = getattr(draft.config, "_name_or_path", None) or getattr(draft, "name_or_path", None)
+    return name if name and os.path.isdir(str(name)) else None
 
 
 def eagle_state_dict(draft, dtype: torch.dtype | None = None, fc_bias: bool = True) -> dict[str, torch.Tensor]:
@@ -163,7 +179,7 @@ def eagle_state_dict(draft, dtype: torch.dtype | None = None, fc_bias: bool = Tr
 
 
 def export_eagle(model, output_dir, engine: str = "vllm", reduced_vocab: str = "token-map", fc_bias: bool = True,
-                 dtype: torch.dtype | None = None) -> Path:
+                 dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
     """Write ``model`` (an S = 1 draft) as an EAGLE checkpoint folder for vLLM / SGLang; returns the folder.
 
     Args:
@@ -174,11 +190,14 @@ def export_eagle(model, output_dir, engine: str = "vllm", reduced_vocab: str = "
         fc_bias: write ``fc.bias`` (zeros when the draft has none). ``False`` leaves it out, for vLLM releases whose
             EAGLE ``fc`` has no bias and refuse the tensor; refused when the draft's bias is not zero.
         dtype: storage dtype (default: the draft's).
+        overwrite: write into a non-empty folder, replacing the files written here (others stay); without it such a
+            folder is refused (`folders.check_output_folder`), as is the folder the draft was loaded from.
     """
     from safetensors.torch import save_file
 
     draft = _draft(model)
     check_eagle_compatible(draft)
+    output_dir = check_output_folder(output_dir, overwrite, source=_source_folder(draft))
     if reduced_vocab not in REDUCED_VOCAB_CHOICES:
         raise ValueError(f"reduced_vocab must be one of {REDUCED_VOCAB_CHOICES}, got {reduced_vocab!r}.")
     token_map = draft.draft_to_target
@@ -191,20 +210,28 @@ def export_eagle(model, output_dir, engine: str = "vllm", reduced_vocab: str = "
     if not fc_bias and draft.fc.bias is not None and bool(draft.fc.bias.detach().abs().max() > 0):
         raise ExportError("fc_bias=False would drop this draft's non-zero fc bias (the engine would compute another "
                           "draft); keep it, or train the draft with fc_bias=False.")
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     config = eagle_config(draft, dtype, engine=engine)
     config["eagle_fc_bias"] = bool(fc_bias)
-    (output_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(eagle_state_dict(draft, dtype, fc_bias=fc_bias), str(output_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    keep_map = token_map is not None and reduced_vocab == "token-map"
+    if not keep_map:
+        config["transformers_poss"]["draft_vocab_size"] = None
+    with staged_folder(output_dir) as staging:
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(eagle_state_dict(draft, dtype, fc_bias=fc_bias), str(staging / "model.safetensors"),
+                  metadata={"format": "pt"})
+        if keep_map:
+            torch.save(token_map.detach().cpu().long().clone(), str(staging / EAGLE_TOKEN_MAP_FILE))
     stale = output_dir / EAGLE_TOKEN_MAP_FILE
-    if token_map is not None and reduced_vocab == "token-map":
-        torch.save(token_map.detach().cpu().long().clone(), str(stale))
+    if keep_map:
         logger.info("Reduced vocabulary: the EAGLE checkpoint drafts over the full vocabulary; %s holds the %d-token "
-                    "map for SGLang's --speculative-token-map.", EAGLE_TOKEN_MAP_FILE, token_map.numel())
-    elif stale.exists():
-        stale.unlink()
+                    "map for SGLang's --speculative-token-map (and for converting it back).", EAGLE_TOKEN_MAP_FILE,
+                    token_map.numel())
+    else:
+        if token_map is not None:
+            logger.warning("reduced_vocab='full': the %d-token drafting vocabulary is not written; the checkpoint (and "
+                           "a draft converted back from it) drafts over the full vocabulary.", token_map.numel())
+        if stale.exists():
+            stale.unlink()
     if draft.embed_tokens is not None:
         logger.warning("This draft carries its own token embedding; vLLM (without pipeline parallelism) and SGLang "
                        "use the target's embedding for EAGLE drafts instead.")
@@ -216,19 +243,21 @@ _GENERATE_PY = '''"""Tree speculative decoding with a PosS draft, as a transform
 
     target.generate(**inputs, custom_generate=FOLDER_OR_REPO, trust_remote_code=True)
 
-runs PosS / EAGLE-2 tree speculation with the draft stored next to this folder (or `assistant_model=`: a loaded
-draft, a PeftModel around one, or a folder / Hub id of one). Output and arguments are those of `generate`
+runs PosS / EAGLE-2 tree speculation with the draft stored in the folder or repository this code was loaded from
+(wherever it was copied or moved; or `assistant_model=`: a loaded draft, a PeftModel around one, or a folder / Hub
+id of one). Output and arguments are those of `generate`
 (greedy output identical to plain decoding); with `return_dict_in_generate=True` the result also carries
 `acceptance` (mean acceptance length, position-wise acceptance). Written by `poss export --format custom_generate`.
 """
 
-DEFAULT_DRAFT = {default_draft!r}
+DEFAULT_DRAFT = {default_draft!r}  # used only when the calling generate() does not name this folder / repository
 
 
 def generate(model, *args, assistant_model=None, **kwargs):
     from transformers_poss.export import run_custom_generate
 
-    return run_custom_generate(model, *args, assistant_model=assistant_model, default_draft=DEFAULT_DRAFT, **kwargs)
+    return run_custom_generate(model, *args, assistant_model=assistant_model, default_draft=DEFAULT_DRAFT,
+                               from_caller=True, **kwargs)
 '''
 
 _README_USAGE = """## `custom_generate`: tree speculation without importing transformers-poss
@@ -258,9 +287,12 @@ out = target.generate(**inputs, custom_generate="{location}", trust_remote_code=
 _DRAFT_CACHE: dict[str, PosSDraftModel] = {}
 
 
-def _resolve_draft(assistant_model, default_draft):
+def _resolve_draft(assistant_model, default_draft, from_caller: bool = False):
+    from ._transformers_compat import custom_generate_location
     from .generation import tree_draft_of
 
+    if assistant_model is None and from_caller:  # the folder / repo the running generate(custom_generate=...) names
+        assistant_model = custom_generate_location()
     if assistant_model is None:
         assistant_model = default_draft
     if assistant_model is None:
@@ -277,12 +309,16 @@ def _resolve_draft(assistant_model, default_draft):
     return assistant_model
 
 
-def run_custom_generate(model, *args, assistant_model=None, default_draft=None, **kwargs):
-    """What an exported folder's ``custom_generate/generate.py`` runs: the stock ``generate`` with a PosS draft."""
+def run_custom_generate(model, *args, assistant_model=None, default_draft=None, from_caller: bool = False, **kwargs):
+    """What an exported folder's ``custom_generate/generate.py`` runs: the stock ``generate`` with a PosS draft.
+
+    The draft: ``assistant_model`` if given; else (``from_caller``) the folder or Hub id the running
+    ``generate(custom_generate=...)`` call loaded the code from, so a copied or moved folder uses its own draft; else
+    ``default_draft`` (the ``repo_id`` given at export)."""
     from .generation import enable_tree_generation
 
     enable_tree_generation()
-    draft = _resolve_draft(assistant_model, default_draft)
+    draft = _resolve_draft(assistant_model, default_draft, from_caller=from_caller)
     return model.generate(*args, assistant_model=draft, **kwargs)
 
 
@@ -295,17 +331,19 @@ def _requirement() -> str:
         return "transformers-poss"
 
 
-def export_custom_generate(model, output_dir, repo_id: str | None = None, tags=None) -> Path:
+def export_custom_generate(model, output_dir, repo_id: str | None = None, tags=None, overwrite: bool = False) -> Path:
     """Write ``model`` as a draft folder that is also a transformers ``custom_generate`` repository.
 
     The folder holds the saved draft (weights, config, tree shape, card tagged ``custom_generate``) and
-    ``custom_generate/generate.py`` + ``requirements.txt``. ``repo_id``: where the folder will live on the Hub (the
-    default draft of ``generate.py`` and the card's usage); without it the default draft is this folder's absolute
-    path. Any draft works here, PosS drafts included.
+    ``custom_generate/generate.py`` + ``requirements.txt``. ``generate.py`` records no local path: it loads the draft
+    from the folder or repository ``generate(custom_generate=...)`` names, so the folder can be copied, moved or
+    pushed. ``repo_id``: where the folder will live on the Hub (the card's usage, and the fallback draft of
+    ``generate.py``). A non-empty folder is refused unless ``overwrite`` (then the files written here are replaced,
+    others stay; the draft's own folder is accepted). Any draft works here, PosS drafts included.
     """
     draft = _draft(model)
-    output_dir = Path(output_dir)
-    location = repo_id or str(output_dir.resolve())
+    output_dir = check_output_folder(output_dir, overwrite, source=_source_folder(draft), allow_source=True)
+    location = repo_id or str(output_dir)
     previous = draft.model_card_extra
     target = draft.config.target_name_or_path or "TARGET"
     usage = _README_USAGE.format(target=target, location=location)
@@ -315,11 +353,12 @@ def export_custom_generate(model, output_dir, repo_id: str | None = None, tags=N
         draft.model_card_extra = (previous.rstrip() + "\n\n" if previous else "") + usage
     try:
         card_tags = ["custom_generate", *([tags] if isinstance(tags, str) else tags or [])]
-        draft.save_pretrained(output_dir, tags=card_tags, repo_id_for_card=repo_id)
+        with staged_folder(output_dir) as staging:
+            draft.save_pretrained(staging, tags=card_tags, repo_id_for_card=repo_id)
+            code = staging / "custom_generate"
+            code.mkdir()
+            (code / "generate.py").write_text(_GENERATE_PY.replace("{default_draft!r}", repr(repo_id)))
+            (code / "requirements.txt").write_text(_requirement() + "\n")
     finally:
         draft.model_card_extra = previous
-    code = output_dir / "custom_generate"
-    code.mkdir(parents=True, exist_ok=True)
-    (code / "generate.py").write_text(_GENERATE_PY.replace("{default_draft!r}", repr(location)))
-    (code / "requirements.txt").write_text(_requirement() + "\n")
     return output_dir

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from .export import _SCALED_EMBEDDING_TYPES, ExportError, _draft, eagle_config
+from .export import _SCALED_EMBEDDING_TYPES, ExportError, _draft, _source_folder, eagle_config
+from .folders import check_output_folder, staged_folder
 
 __all__ = ["export_eagle3", "eagle3_export_config", "eagle3_export_state_dict", "check_eagle3_compatible"]
 
@@ -82,14 +83,18 @@ def eagle3_export_state_dict(draft, dtype: torch.dtype | None = None) -> dict[st
     return out
 
 
-def export_eagle3(model, output_dir, dtype: torch.dtype | None = None) -> Path:
-    """Write ``model`` (a one-specialist eagle3-style draft) as an EAGLE-3 checkpoint folder; returns the folder."""
+def export_eagle3(model, output_dir, dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
+    """Write ``model`` (a one-specialist eagle3-style draft) as an EAGLE-3 checkpoint folder; returns the folder.
+
+    A non-empty folder is refused unless ``overwrite`` (then config.json and model.safetensors are replaced, other
+    files stay); the folder the draft was loaded from is always refused."""
     from safetensors.torch import save_file
 
     draft = _draft(model)
     check_eagle3_compatible(draft)
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "config.json").write_text(json.dumps(eagle3_export_config(draft, dtype), indent=2) + "\n")
-    save_file(eagle3_export_state_dict(draft, dtype), str(output_dir / "model.safetensors"), metadata={"format": "pt"})
+    output_dir = check_output_folder(output_dir, overwrite, source=_source_folder(draft))
+    with staged_folder(output_dir) as staging:
+        (staging / "config.json").write_text(json.dumps(eagle3_export_config(draft, dtype), indent=2) + "\n")
+        save_file(eagle3_export_state_dict(draft, dtype), str(staging / "model.safetensors"),
+                  metadata={"format": "pt"})
     return output_dir

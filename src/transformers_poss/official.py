@@ -15,9 +15,12 @@ import os
 import re
 
 import torch
+from transformers.utils import logging
 
 from .configuration_poss import PosSDraftConfig
 from .official_eagle3 import check_eagle3_layout, eagle3_settings, eagle3_state, is_eagle3_checkpoint, token_map
+
+logger = logging.get_logger(__name__)
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.(self_attn\.[qkvo]_proj\.weight|mlp\.(gate|up|down)_proj\.weight|post_attention_layernorm\.weight)$")
@@ -165,6 +168,9 @@ def load_official(cls, repo_id_or_folder: str, target=None, positions_per_specia
         raise FileNotFoundError(f"No config.json in {folder}: not an official draft checkpoint.")
     llama_config = read_official_config(config_path)
     state = read_official_state_dict(folder)
+    exported = llama_config.get("transformers_poss") if isinstance(llama_config.get("transformers_poss"), dict) else {}
+    if positions_per_specialist is None and isinstance(exported.get("positions_per_specialist"), int):
+        positions_per_specialist = exported["positions_per_specialist"]  # a `poss export` checkpoint records N
     token_ids = None
     if is_eagle3_checkpoint(state):
         check_eagle3_layout(repo_id_or_folder, llama_config, state)
@@ -186,7 +192,9 @@ def load_official(cls, repo_id_or_folder: str, target=None, positions_per_specia
                     "(e.g. 2 for a PosS-2 checkpoint)."
                 )
             n = 1
-        config = official_config(llama_config, state, num_specialists, n, target=target)
+        token_ids = exported_token_map(folder, exported, llama_config.get("vocab_size"))
+        config = official_config(llama_config, state, num_specialists, n, target=target,
+                                 **({} if token_ids is None else {"draft_vocab_size": token_ids.numel()}))
         embed = state.pop("embed_tokens.weight", None)
     own = embed is not None and not _same_embedding(embed, target)
     if embed is not None and target is None:
@@ -205,10 +213,46 @@ def load_official(cls, repo_id_or_folder: str, target=None, positions_per_specia
         model.draft_to_target.copy_(token_ids)
     model = model.to(dtype)
     model.eval()
+    restore_tree_settings(model, exported.get("generation"), repo_id_or_folder)
     if target is not None:
         device = target.get_output_embeddings().weight.device
         model.to(device).attach_target(target)
     return model
+
+
+def exported_token_map(folder: str, exported: dict, vocab_size) -> torch.LongTensor | None:
+    """The reduced drafting vocabulary a `poss export --format eagle` checkpoint keeps beside its weights
+    (``hot_token_ids.pt``, recorded in its config's ``transformers_poss.draft_vocab_size``), or None."""
+    size = exported.get("draft_vocab_size")
+    path = os.path.join(folder, "hot_token_ids.pt")
+    if not size:
+        return None
+    if not os.path.isfile(path):
+        logger.warning("%s: config.json records a %s-token drafting vocabulary but hot_token_ids.pt is missing; the "
+                       "converted draft drafts over the full vocabulary.", folder, size)
+        return None
+    token_ids = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or token_ids.numel() != size:
+        raise ValueError(f"{path}: expected a 1D tensor of {size} token ids (config.json's "
+                         "transformers_poss.draft_vocab_size); export the draft again.")
+    token_ids = token_ids.long()
+    if vocab_size and (int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size):
+        raise ValueError(f"{path}: token ids outside the vocabulary of {vocab_size}; export the draft again.")
+    return token_ids
+
+
+def restore_tree_settings(model, settings, name: str) -> None:
+    """Put the tree shape an exported config recorded (``transformers_poss.generation``) back on the draft."""
+    if not isinstance(settings, dict):
+        return
+    from .checks import TREE_KEYS, tree_value
+
+    for key in TREE_KEYS:
+        if settings.get(key) is not None:
+            try:
+                setattr(model.generation_config, key, tree_value(key, settings[key]))
+            except ValueError as error:
+                raise ValueError(f"{name}: config.json transformers_poss.generation: {error}") from None
 
 
 def _eagle3_vocab(state: dict) -> int:

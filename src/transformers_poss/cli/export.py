@@ -8,7 +8,10 @@ import sys
 
 def add_arguments(parser) -> None:
     parser.add_argument("draft", help="folder or Hub id of the draft (save_pretrained layout)")
-    parser.add_argument("output", help="folder to write")
+    parser.add_argument("output", help="folder to write (new or empty; see --overwrite)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into a non-empty folder: replace the files this export writes, keep the others "
+                             "(never the draft's own folder, except for custom_generate)")
     parser.add_argument("--format", choices=("eagle", "eagle3", "custom_generate"), default="eagle",
                         help="eagle: Llama config + one layer for vLLM (method 'eagle') and SGLang (EAGLE), S = 1 "
                              "eagle2-style drafts only; eagle3: the EAGLE-3 layout (vLLM method 'eagle3', SGLang "
@@ -32,20 +35,26 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     import torch
 
+    from ..checks import require_local_path
     from ..export import ExportError, export_custom_generate, export_eagle
     from ..export_eagle3 import export_eagle3
+    from ..folders import check_output_folder
     from ..modeling_poss import PosSDraftModel
 
+    require_local_path(args.draft, "draft folder")  # the output and the draft are checked before the draft loads
+    check_output_folder(args.output, args.overwrite, source=args.draft, allow_source=args.format == "custom_generate")
     draft = PosSDraftModel.from_pretrained(args.draft)
+    overwrite = args.overwrite
     try:
         if args.format == "eagle":
             dtype = getattr(torch, args.dtype) if args.dtype else None
             out = export_eagle(draft, args.output, engine=args.engine, reduced_vocab=args.reduced_vocab,
-                               fc_bias=not args.no_fc_bias, dtype=dtype)
+                               fc_bias=not args.no_fc_bias, dtype=dtype, overwrite=overwrite)
         elif args.format == "eagle3":
-            out = export_eagle3(draft, args.output, dtype=getattr(torch, args.dtype) if args.dtype else None)
+            out = export_eagle3(draft, args.output, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                                overwrite=overwrite)
         else:
-            out = export_custom_generate(draft, args.output, repo_id=args.repo_id)
+            out = export_custom_generate(draft, args.output, repo_id=args.repo_id, overwrite=overwrite)
     except ExportError as error:
         print(f"poss export: {error}", file=sys.stderr)
         return 2
