@@ -31,6 +31,7 @@ from ..speculation.masks import BatchLayout, relayout_index
 from ..speculation.stats import AcceptanceStats
 from ..speculation.target_cache import full_layer_cache, gather_cache_columns, keep_accepted, select_cache_rows
 from .candidate_generator import place_draft, tree_shape
+from .hybrid import ContextCandidates, context_candidate_tokens, on_path_mask
 from .outputs import PosSGenerateOutput
 from .target_forward import prefill_batch, verify_batch
 
@@ -118,6 +119,9 @@ def batched_tree_decoding(model, input_ids, logits_processor, stopping_criteria,
         per_row = row_processors(logits_processor, input_ids.shape[0])
     cache = full_layer_cache()
     proposer = make_batched_proposer(draft, depth, top_k, batch_total_tokens(total_tokens, top_k, input_ids.shape[0]))
+    context_tokens = context_candidate_tokens(getattr(draft, "generation_config", None))
+    context = ContextCandidates(context_tokens) if context_tokens > 0 else None  # continuations copied from the rows
+    pads = (attention_mask == 0).sum(dim=1).tolist()  # left padding of each row, left out of its context
 
     feature_layers = draft.config.feature_layers  # features [B, T, k*H]: the target hidden states the draft reads
     logits, features = prefill_batch(model, input_ids, layout, cache, feature_layers)
@@ -154,6 +158,9 @@ def batched_tree_decoding(model, input_ids, logits_processor, stopping_criteria,
         clock = time.perf_counter()
         budgets = torch.tensor([generation_config.max_length - rows.lengths[r] for r in active.tolist()], device=device)
         tree = proposer.propose_batch(layout.valid, layout.positions, depth=int(budgets.max()) - 1)
+        if context is not None:
+            contexts = [rows.ids[r, pads[r] : rows.lengths[r]] for r in active.tolist()]
+            tree = context.extend(tree, contexts, proposer.total_tokens)
         tree = tree.limit_depth(budgets - 1)
         stats.add_time("drafting", time.perf_counter() - clock)
 
@@ -167,6 +174,11 @@ def batched_tree_decoding(model, input_ids, logits_processor, stopping_criteria,
         accepted = accept_batch(tree, logits.float(), prefixes, processors, do_sample)
         for b in range(accepted.counts.shape[0]):
             stats.record(int(accepted.counts[b]) - 1, bool(accepted.proposed_next[b]))
+        if tree.sources is not None:  # context candidates: estimates and which source proposed the accepted tokens
+            on_path = on_path_mask(tree.num_nodes, accepted.index.to(device), accepted.valid.to(device))
+            context.observe(tree, on_path)
+            for b in range(accepted.counts.shape[0]):
+                stats.record_sources(tree.sources[b][on_path[b]][1:].tolist())
         stats.add_time("acceptance", time.perf_counter() - clock)
 
         clock = time.perf_counter()

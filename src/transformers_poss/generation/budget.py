@@ -38,15 +38,18 @@ class TreeBudget:
         max_nodes: upper bound on verified nodes (root included).
         warmup_rounds: rounds observed before a fallback to plain decoding may be decided.
         min_speedup: predicted speed-up under which speculation stops for the rest of the call.
+        calibrate: correct the node probabilities by the observed acceptance (off when the scores are already
+            calibrated estimates, as with context candidates: `hybrid.SourceEstimates`).
     """
 
     def __init__(self, profile: CostProfile, depth: int, max_nodes: int, warmup_rounds: int = 2,
-                 min_speedup: float = 1.0, prior_weight: float = 2.0):
+                 min_speedup: float = 1.0, prior_weight: float = 2.0, calibrate: bool = True):
         self.profile = profile
         self.depth = depth
         self.max_nodes = max_nodes
         self.warmup_rounds = warmup_rounds
         self.min_speedup = min_speedup
+        self.calibrate = calibrate
         self.observed = prior_weight  # calibration prior: the draft's probabilities are taken at face value
         self.predicted = prior_weight
         self.rounds = 0
@@ -60,7 +63,7 @@ class TreeBudget:
 
     @property
     def calibration(self) -> float:
-        return self.observed / self.predicted
+        return self.observed / self.predicted if self.calibrate else 1.0
 
     def choose(self, scores: torch.Tensor, depths: torch.LongTensor | None = None,
                drafted_depth: int | None = None) -> tuple[torch.LongTensor, float]:

@@ -11,6 +11,7 @@ from ..modeling_poss import PosSDraftModel
 from ..quantization.int8 import linear_device
 from ..speculation.drafter import PosSProposer
 from ..speculation.tree import DraftTree
+from .hybrid import ContextCandidates, context_candidate_tokens, drafting_depths
 
 AUTO_MAX_NODES = 64  # upper bound on verified nodes with tree_total_tokens="auto"
 
@@ -76,7 +77,8 @@ class PosSCandidateGenerator(CandidateGenerator):
 
     It owns the draft's state across rounds (a `PosSProposer`, which keeps each specialist's KV cache of the accepted
     context), runs the draft on the device of the target's ``lm_head`` and, with ``tree_total_tokens="auto"``, the
-    per-round node budget of this machine.
+    per-round node budget of this machine. With ``tree_context_candidates`` it grafts continuations copied from the
+    context into every tree (`hybrid.ContextCandidates`).
 
     Args:
         draft (`PosSDraftModel`): the draft, attached to ``target``.
@@ -90,6 +92,8 @@ class PosSCandidateGenerator(CandidateGenerator):
         self.target = target
         self.depth, self.top_k, self.total_tokens = tree_shape(draft)
         self.device = place_draft(draft, target)
+        tokens = context_candidate_tokens(getattr(draft, "generation_config", None))
+        self.context = ContextCandidates(tokens) if tokens > 0 else None
         self._setup_budget()
         self.proposer = self._make_proposer()
 
@@ -108,7 +112,9 @@ class PosSCandidateGenerator(CandidateGenerator):
 
             self.total_tokens = tree_setting(config, "tree_max_total_tokens", AUTO_MAX_NODES)
             profile = load_or_measure_profile(self.target, self.draft, top_k=self.top_k)
-            self.budget = TreeBudget(profile, depth=self.depth, max_nodes=self.total_tokens)
+            # with context candidates the node scores are already calibrated per source (`hybrid.SourceEstimates`)
+            self.budget = TreeBudget(profile, depth=self.depth, max_nodes=self.total_tokens,
+                                     calibrate=self.context is None)
 
     def _shape_tree(self, tree: DraftTree) -> DraftTree:
         """With an automatic budget, keep the nodes worth verifying on this machine and set the next drafting depth
@@ -116,7 +122,8 @@ class PosSCandidateGenerator(CandidateGenerator):
         if self.budget is None:
             return tree
         drafted = getattr(self.proposer, "depth", self.depth)
-        keep, _ = self.budget.choose(tree.scores, tree.depths, drafted_depth=drafted)
+        depths = tree.depths if tree.sources is None else drafting_depths(tree.as_batch())[0]  # copies: no drafting
+        keep, _ = self.budget.choose(tree.scores, depths, drafted_depth=drafted)
         self.proposer.depth = self.budget.next_depth
         return tree.select(keep.to(tree.tokens.device))
 
@@ -130,6 +137,10 @@ class PosSCandidateGenerator(CandidateGenerator):
         """Feed a verified round back: calibrates the automatic budget; records rounds when asked."""
         if self.budget is not None and not self.fell_back:
             self.budget.observe(accepted.num_accepted)
+        if self.context is not None and tree.sources is not None:
+            on_path = torch.zeros(1, tree.num_nodes, dtype=torch.bool, device=tree.tokens.device)
+            on_path[0, accepted.path.to(on_path.device)] = True
+            self.context.observe(tree.as_batch(), on_path)
         if self.record and tree.scores is not None:
             from .budget import RoundRecord
 
@@ -154,4 +165,6 @@ class PosSCandidateGenerator(CandidateGenerator):
         if self.falls_back():  # the loop hands over to plain decoding; a root-only tree is a plain step
             return DraftTree.root_only(input_ids[0, -1]), None
         tree = self.proposer.propose(new_tokens.to(self.device), new_features.to(self.device))
+        if self.context is not None:
+            tree = self.context.extend_single(tree, input_ids[0], self.total_tokens)
         return self._shape_tree(tree).to(input_ids.device), None

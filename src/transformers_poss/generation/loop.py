@@ -113,6 +113,8 @@ def tree_assisted_decoding(
         clock = time.perf_counter()
         accepted = accept_tree(tree, logits, emitter.input_ids, logits_processor, do_sample)
         stats.record(accepted.num_accepted, accepted.proposed_next, depth=tree.max_depth)
+        if tree.sources is not None:  # context candidates: which source proposed the accepted tokens
+            stats.record_sources(tree.sources[accepted.path[1:].to(tree.sources.device)].tolist())
         candidate_generator.observe(tree, accepted)
         stats.add_time("acceptance", time.perf_counter() - clock)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .trie import SOURCE_NAMES
+
 
 @dataclass
 class AcceptanceStats:
@@ -25,6 +27,11 @@ class AcceptanceStats:
         tree_depths (`list[int]`): single-row loop only, aligned with ``accepted_lengths``: the depth of the tree
             verified in that round (with ``tree_total_tokens="auto"`` the depth the budget chose; 0 for a root-only
             round or a plain step after a fallback).
+        source_tokens (`dict[str, int]`): with context candidates (``tree_context_candidates``), accepted draft
+            tokens per source (``"draft"``, ``"context"``); a token both sources proposed counts for both.
+        source_rounds (`dict[str, int]`): rounds (per row in a batch) in which a source proposed at least one
+            accepted token; ``source_rounds[s] / source_round_total`` is the share of rounds it contributed to.
+        source_round_total (`int`): rounds (per row) recorded with sources.
     """
 
     accepted_lengths: list[int] = field(default_factory=list)
@@ -35,6 +42,9 @@ class AcceptanceStats:
     fell_back_to_plain: bool = False
     plain_steps: int = 0
     tree_depths: list[int] = field(default_factory=list)
+    source_tokens: dict[str, int] = field(default_factory=dict)
+    source_rounds: dict[str, int] = field(default_factory=dict)
+    source_round_total: int = 0
 
     def record(self, num_accepted: int, proposed_next: bool, depth: int | None = None) -> None:
         """Add one round that accepted ``num_accepted`` draft tokens (from a tree of ``depth``, when given)."""
@@ -49,6 +59,21 @@ class AcceptanceStats:
             self.position_proposed[i] += 1
         for i in range(num_accepted):
             self.position_accepted[i] += 1
+
+    def record_sources(self, accepted_sources: list[int]) -> None:
+        """Add one round's (one row's) accepted draft tokens by source: ``accepted_sources`` holds the source bit
+        mask of each accepted node (root excluded)."""
+        self.source_round_total += 1
+        for bit, name in SOURCE_NAMES.items():
+            count = sum(1 for sources in accepted_sources if sources & bit)
+            self.source_tokens[name] = self.source_tokens.get(name, 0) + count
+            self.source_rounds[name] = self.source_rounds.get(name, 0) + (1 if count else 0)
+
+    @property
+    def source_round_share(self) -> dict[str, float]:
+        """Per source, the share of rounds with sources recorded in which it proposed an accepted token."""
+        total = max(self.source_round_total, 1)
+        return {name: rounds / total for name, rounds in self.source_rounds.items()}
 
     def record_plain_steps(self, count: int) -> None:
         """Add ``count`` steps of plain decoding (one token per target forward, nothing drafted)."""
@@ -98,4 +123,8 @@ class AcceptanceStats:
         out.fell_back_to_plain = self.fell_back_to_plain or other.fell_back_to_plain
         out.plain_steps = self.plain_steps + other.plain_steps
         out.tree_depths = self.tree_depths + other.tree_depths
+        for name in ("source_tokens", "source_rounds"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            setattr(out, name, {k: mine.get(k, 0) + theirs.get(k, 0) for k in set(mine) | set(theirs)})
+        out.source_round_total = self.source_round_total + other.source_round_total
         return out

@@ -23,7 +23,11 @@ class DraftTree:
         tree_mask (`torch.BoolTensor` of shape `[n, n]`): ``tree_mask[i, j]`` is True when node ``j`` is node ``i``
             itself or one of its ancestors.
         scores (`torch.FloatTensor` of shape `[n]`, *optional*): cumulative draft log-probability of each node (0 for
-            the root).
+            the root). In a tree with several sources: the log of the estimated probability that the node is accepted.
+        sources (`torch.LongTensor` of shape `[n]`, *optional*): bit mask of the sources that proposed each node
+            (`trie.DRAFT_SOURCE`, `trie.CONTEXT_SOURCE`; 0 for the root); None for a tree of the draft alone.
+        draft_logprobs (`torch.FloatTensor` of shape `[n]`, *optional*): with ``sources``, the draft's log-probability
+            of each node given its parent (0 where the draft did not propose the node).
     """
 
     tokens: torch.LongTensor
@@ -31,6 +35,8 @@ class DraftTree:
     depths: torch.LongTensor
     tree_mask: torch.BoolTensor
     scores: torch.FloatTensor | None = None
+    sources: torch.LongTensor | None = None
+    draft_logprobs: torch.FloatTensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -71,6 +77,10 @@ class DraftTree:
             scores=torch.zeros(1, device=device),
         )
 
+    def _per_node(self, name: str, fn):
+        value = getattr(self, name)
+        return None if value is None else fn(value)
+
     def select(self, keep: torch.Tensor) -> "DraftTree":
         """The sub-tree of the nodes in ``keep`` (bool mask `[n]` or ascending indices including 0, closed under
         parents). Node order is preserved, so parents still come before children."""
@@ -88,13 +98,17 @@ class DraftTree:
             depths=self.depths[keep],
             tree_mask=self.tree_mask[keep][:, keep],
             scores=None if self.scores is None else self.scores[keep],
+            sources=self._per_node("sources", lambda v: v[keep]),
+            draft_logprobs=self._per_node("draft_logprobs", lambda v: v[keep]),
         )
 
     def as_batch(self) -> "BatchedTree":
         """This tree as a batch of one (every node valid)."""
         valid = torch.ones(1, self.num_nodes, dtype=torch.bool, device=self.tokens.device)
         scores = None if self.scores is None else self.scores[None]
-        return BatchedTree(self.tokens[None], self.parents[None], self.depths[None], self.tree_mask[None], valid, scores)
+        return BatchedTree(self.tokens[None], self.parents[None], self.depths[None], self.tree_mask[None], valid, scores,
+                           self._per_node("sources", lambda v: v[None]),
+                           self._per_node("draft_logprobs", lambda v: v[None]))
 
     def to(self, device) -> "DraftTree":
         return DraftTree(
@@ -103,6 +117,8 @@ class DraftTree:
             depths=self.depths.to(device),
             tree_mask=self.tree_mask.to(device),
             scores=None if self.scores is None else self.scores.to(device),
+            sources=self._per_node("sources", lambda v: v.to(device)),
+            draft_logprobs=self._per_node("draft_logprobs", lambda v: v.to(device)),
         )
 
 
@@ -152,6 +168,7 @@ class BatchedTree:
         tree_mask (`torch.BoolTensor` of shape `[B, n, n]`): ancestor-or-self relation of each row's tree.
         valid (`torch.BoolTensor` of shape `[B, n]`): nodes that may be accepted (closed under parents).
         scores (`torch.FloatTensor` of shape `[B, n]`, *optional*): cumulative draft log-probabilities (root 0).
+        sources, draft_logprobs (`[B, n]`, *optional*): as in `DraftTree`, per row.
     """
 
     tokens: torch.LongTensor
@@ -160,6 +177,8 @@ class BatchedTree:
     tree_mask: torch.BoolTensor
     valid: torch.BoolTensor
     scores: torch.FloatTensor | None = None
+    sources: torch.LongTensor | None = None
+    draft_logprobs: torch.FloatTensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -179,12 +198,15 @@ class BatchedTree:
     def limit_depth(self, max_depths: torch.LongTensor) -> "BatchedTree":
         """Invalidate the nodes of row ``b`` deeper than ``max_depths[b]`` (`[B]`)."""
         valid = self.valid & (self.depths <= max_depths[:, None])
-        return BatchedTree(self.tokens, self.parents, self.depths, self.tree_mask, valid, self.scores)
+        return BatchedTree(self.tokens, self.parents, self.depths, self.tree_mask, valid, self.scores, self.sources,
+                           self.draft_logprobs)
 
     def single(self) -> DraftTree:
         """The tree of a batch of one whose nodes are all valid, as a `DraftTree`."""
         scores = None if self.scores is None else self.scores[0]
-        return DraftTree(self.tokens[0], self.parents[0], self.depths[0], self.tree_mask[0], scores)
+        return DraftTree(self.tokens[0], self.parents[0], self.depths[0], self.tree_mask[0], scores,
+                         None if self.sources is None else self.sources[0],
+                         None if self.draft_logprobs is None else self.draft_logprobs[0])
 
     @classmethod
     def root_only(cls, roots: torch.LongTensor) -> "BatchedTree":
