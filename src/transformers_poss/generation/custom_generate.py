@@ -12,6 +12,7 @@ needs the ``assistant_model=`` path (the generation hook). This entry does not d
 from __future__ import annotations
 
 from .candidate_generator import tree_draft_of
+from .hook import draft_placement_kept
 from .loop import tree_assisted_decoding
 from .validation import check_generation_config
 
@@ -33,5 +34,6 @@ def generate(model, input_ids, logits_processor=None, stopping_criteria=None, ge
             "target.generate(**inputs, custom_generate=generate, draft=draft)."
         )
     check_generation_config(model, draft, generation_config.get_generation_mode(draft), generation_config)
-    return tree_assisted_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                  assistant_model=draft, **model_kwargs)  # fmt: skip
+    with draft_placement_kept(draft):  # the caller's draft keeps its device and dtype
+        return tree_assisted_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                      assistant_model=draft, **model_kwargs)  # fmt: skip

@@ -9,12 +9,37 @@ restores the original methods. Both methods are reached through `transformers_po
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
+import torch
+
 from .._transformers_compat import PATCHED_METHODS, current_method, original_method, set_method
 from .candidate_generator import tree_draft_of
 from .loop import tree_assisted_decoding
 from .validation import check_generation_config
 
 _ORIGINALS: dict[str, object] = {}
+
+
+@contextmanager
+def draft_placement_kept(draft):
+    """Give ``draft`` back on the devices and in the dtypes it came in: the loops move it to the target's lm_head
+    device and cast it to the target's dtype for the call (`candidate_generator.place_draft`), and the caller's model
+    must not change behind its back (saving a bf16 draft afterwards would double the checkpoint). A float cast to a
+    wider float and back is exact."""
+    if draft is None:
+        yield
+        return
+    tensors = lambda: [*draft.named_parameters(), *draft.named_buffers()]  # noqa: E731
+    before = {name: (tensor.device, tensor.dtype) for name, tensor in tensors()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, tensor in tensors():
+                device, dtype = before.get(name, (tensor.device, tensor.dtype))
+                if tensor.device != device or tensor.dtype != dtype:
+                    tensor.data = tensor.data.to(device, dtype)
 
 
 def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
@@ -24,11 +49,12 @@ def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, gen
     draft = tree_draft_of(assistant_model)
     method = _ORIGINALS["_assisted_decoding"] if draft is None else tree_assisted_decoding
     assistant_model = assistant_model if draft is None else draft
-    return method(
-        self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
-        streamer=streamer, inputs_tensor=inputs_tensor, assistant_model=assistant_model,
-        assistant_tokenizer=assistant_tokenizer, tokenizer=tokenizer, **model_kwargs,
-    )  # fmt: skip
+    with draft_placement_kept(draft):
+        return method(
+            self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
+            streamer=streamer, inputs_tensor=inputs_tensor, assistant_model=assistant_model,
+            assistant_tokenizer=assistant_tokenizer, tokenizer=tokenizer, **model_kwargs,
+        )  # fmt: skip
 
 
 def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
