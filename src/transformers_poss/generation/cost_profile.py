@@ -210,25 +210,49 @@ def load_or_measure_profile(target, draft=None, top_k: int = 10, sizes=DEFAULT_S
     read back without measuring; ``refresh=True`` measures again.
     """
     key = profile_key(target, draft, top_k)
-    path = os.path.join(cache_dir(), f"{key}.json")
-    if not refresh and os.path.exists(path):
+    try:
+        path = os.path.join(cache_dir(), f"{key}.json")
+    except OSError as error:  # the cache is an optimisation: measure, keep the profile in this process, go on
+        path = None
+        if refresh or key not in _UNCACHED:
+            warnings.warn(f"Cannot create the cost-profile cache folder ({error}); the profile is measured and kept "
+                          "in memory for this process only. Set POSS_CACHE to a writable folder to keep it.",
+                          stacklevel=2)
+    if path is None and not refresh and key in _UNCACHED:
+        return _UNCACHED[key]
+    if path is not None and not refresh and os.path.exists(path):
         try:
             with open(path, encoding="utf-8") as fh:
                 return usable_profile(CostProfile.from_json(fh.read()))
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:  # unreadable: measure again
             warnings.warn(f"The cached cost profile {path} is unusable ({error}); measuring it again.", stacklevel=2)
     points = (VERIFY_REPEATS + 1) * len(sizes) + (DRAFT_POINTS if draft is not None else 0)
-    with logging.tqdm(total=points, desc=f"measuring verification cost t(n) (once, cached at {path})",
+    where = f"cached at {path}" if path else "kept in memory"
+    with logging.tqdm(total=points, desc=f"measuring verification cost t(n) (once, {where})",
                       unit="point", disable=not progress) as bar:
         verify = measure_verify_seconds(target, sizes, progress=bar)
         context, step = measure_draft_seconds(draft, top_k, progress=bar) if draft is not None else (0.0, 0.0)
     profile = CostProfile(key=key, verify_seconds=verify, draft_context_seconds=context, draft_step_seconds=step,
                           meta={"threads": torch.get_num_threads(), "top_k": top_k})
+    if path is None:
+        _UNCACHED[key] = profile
+        return profile
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(profile.to_json())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(profile.to_json())
+        os.replace(tmp, path)
+    except OSError as error:  # read-only or full disk: keep the measurement for this process
+        warnings.warn(f"Cannot write the cost profile {path} ({error}); it is kept in memory for this process only. "
+                      "Set POSS_CACHE to a writable folder to keep it.", stacklevel=2)
+        _UNCACHED[key] = profile
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return profile
+
+
+# profiles measured in this process that could not be written to the cache folder (profile key -> profile)
+_UNCACHED: dict[str, CostProfile] = {}
 
 
 __all__ = ["DEFAULT_SIZES", "CostProfile", "cache_dir", "load_or_measure_profile", "measure_draft_seconds",
