@@ -72,11 +72,9 @@ def _question_rows(path: Path):
     """``(line number, question)`` of a question file, each checked: a JSON object with a non-empty text turns[0]."""
     if not path.is_file():
         raise FileNotFoundError(f"question file {path} {'is a folder' if path.is_dir() else 'does not exist'}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path}: not a UTF-8 text file ({error.reason})") from None
-    for number, line in enumerate(text.splitlines(), 1):
+    from ..textfiles import read_lines
+
+    for number, line in read_lines(path):  # plain or gzip-compressed; a non-UTF-8 line is named
         if not line.strip():
             continue
         try:

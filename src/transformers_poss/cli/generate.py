@@ -50,7 +50,7 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    text = args.prompt if args.prompt is not None else sys.stdin.read()
+    text = read_prompt(args.prompt)
     check_arguments(args, text)
     target, tokenizer = load_target(args.target, dtype=DTYPES[args.dtype], device=device)
     target = quantized(target, args.quantize)
@@ -80,6 +80,27 @@ def run(args) -> int:
     if not args.quiet:
         print(_stats(len(new_tokens), seconds, getattr(output, "acceptance", None)), file=sys.stderr)
     return 0
+
+
+def read_prompt(argument: str | None, stdin=None) -> str:
+    """The prompt argument, or stdin's text when it is omitted; text that is not UTF-8 is refused with the byte and
+    its offset (a traceback from the tokenizer otherwise)."""
+    if argument is not None:
+        try:
+            argument.encode("utf-8")
+        except UnicodeEncodeError as error:  # undecodable command-line bytes arrive as surrogates
+            raise ValueError(f"the prompt argument is not UTF-8 text (a byte that is not UTF-8 at character "
+                             f"{error.start + 1}); pass UTF-8 text, e.g. convert it with iconv -t UTF-8.") from None
+        return argument
+    stream = stdin or getattr(sys.stdin, "buffer", None)
+    data = stream.read() if stream is not None else sys.stdin.read()  # a text stream when stdin was replaced
+    if isinstance(data, str):
+        return data
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"the prompt on stdin is not UTF-8 text (byte 0x{data[error.start]:02x} at offset "
+                         f"{error.start}); pipe in UTF-8 text, e.g. through iconv -t UTF-8.") from None
 
 
 def check_arguments(args, text: str) -> None:

@@ -13,8 +13,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--target", required=True, help="embedded name, Hub id or folder of the target (for its tokenizer)")
     parser.add_argument("--size", type=positive_int, default=8192, help="number of tokens in the draft vocabulary")
     parser.add_argument("--corpus", nargs="+", required=True,
-                        help="JSONL files (ShareGPT 'conversations', OpenAI 'messages' or 'text') or plain text files")
-    parser.add_argument("--output", required=True, help="folder to write the draft with its token map")
+                        help="JSONL files (ShareGPT 'conversations', OpenAI 'messages' or 'text') or plain text files, "
+                             "optionally gzip-compressed (.jsonl.gz, as `poss train` writes them)")
+    parser.add_argument("--output", required=True, help="folder to write the draft with its token map (new or empty, "
+                        "or the draft's own folder with --overwrite)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into a non-empty folder: replace the draft's files, keep the others")
 
 
 def corpus_texts(paths):
@@ -37,31 +41,32 @@ def corpus_texts(paths):
 
 
 def _records(path):
-    """``(line or example number, record)``: JSON records of a .json / .jsonl file, or text lines (str) of others.
+    """``(line or example number, record)``: JSON records of a .json / .jsonl file, or text lines (str) of others;
+    each may be gzip-compressed (``.jsonl.gz``).
 
     A line of a .jsonl file, or a line of another file that starts like JSON, that does not parse is an error."""
-    if str(path).endswith(".json"):
-        with open(path, encoding="utf-8") as fh:
-            try:
-                data = json.load(fh)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}: not valid JSON ({error}).") from None
+    from ..textfiles import data_suffix, read_lines, read_text
+
+    if data_suffix(path) == ".json":
+        try:
+            data = json.loads(read_text(path))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON ({error}).") from None
         data = data.get("data", [data]) if isinstance(data, dict) else data
         yield from enumerate(data if isinstance(data, list) else [data], 1)
         return
-    jsonl = str(path).endswith(".jsonl")
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                yield number, json.loads(line)
-            except json.JSONDecodeError as error:
-                if jsonl or line.startswith(("{", "[")):  # JSON that does not parse is an error, not text
-                    raise ValueError(f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno}); "
-                                     "fix or remove the line.") from None
-                yield number, line
+    jsonl = data_suffix(path) == ".jsonl"
+    for number, line in read_lines(path):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as error:
+            if jsonl or line.startswith(("{", "[")):  # JSON that does not parse is an error, not text
+                raise ValueError(f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno}); "
+                                 "fix or remove the line.") from None
+            yield number, line
 
 
 def _turns(record: dict, key: str, path, number: int) -> list:
@@ -80,6 +85,7 @@ def _text(content, path, number: int) -> str:
 def check_arguments(args) -> None:
     """Everything `poss vocab` can check before loading the tokenizer and the draft."""
     from ..checks import positive_int, require_file, require_local_path
+    from ..folders import check_output_folder
     from ..loading_checks import check_draft_folder
 
     positive_int("--size", args.size)
@@ -88,6 +94,7 @@ def check_arguments(args) -> None:
     require_local_path(args.draft, "draft folder")
     if os.path.isdir(args.draft):
         check_draft_folder(args.draft)
+    check_output_folder(args.output, getattr(args, "overwrite", False), source=args.draft, allow_source=True)
 
 
 def run(args) -> int:
@@ -112,7 +119,10 @@ def run(args) -> int:
     counts = counts[: draft.config.vocab_size]
     token_map = build_token_map(counts, args.size, always_include=special_token_ids(tokenizer))
     set_token_map(draft, token_map)
-    draft.save_pretrained(args.output)
+    from ..folders import staged_folder
+
+    with staged_folder(args.output) as staging:  # the draft's own folder keeps its files until the new ones are whole
+        draft.save_pretrained(staging)
     covered = float(counts[token_map].sum()) / float(counts.sum())
     print(f"draft vocabulary: {args.size} of {draft.config.vocab_size} tokens, covering {covered:.1%} of corpus tokens")
     print(f"wrote {args.output}")

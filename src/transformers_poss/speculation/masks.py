@@ -40,6 +40,12 @@ class BatchLayout:
     def from_attention_mask(cls, attention_mask: torch.Tensor) -> "BatchLayout":
         """Layout of a left-padded prompt batch (`[B, T]` 0/1 mask); refuses right padding and empty rows."""
         valid = attention_mask.bool()
+        empty = (~valid.any(dim=1)).nonzero().flatten().tolist() if valid.numel() else list(range(valid.shape[0]))
+        if empty:
+            raise ValueError(
+                f"Row(s) {empty} of the batch are empty (attention_mask all 0: no prompt token); give every row at "
+                "least one token or leave those rows out."
+            )
         if not bool(valid[:, -1].all()) or not bool((valid[:, 1:] >= valid[:, :-1]).all()):
             raise ValueError(
                 "Batched tree speculation needs left-padded prompts (tokenizer.padding_side = 'left'): every row's "

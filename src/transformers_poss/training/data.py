@@ -72,11 +72,13 @@ def _text_content(content, number: int) -> str:
 
 
 def _read_json_file(path: str) -> list:
+    from ..textfiles import read_lines
+
+    if ".jsonl" in os.path.basename(path):  # plain or gzip-compressed; bad bytes and cut-off data name the line
+        return [_json_line(line, path, number) for number, line in read_lines(path) if line.strip()]
     opener = gzip.open if path.endswith(".gz") else open
     try:
         with opener(path, "rt", encoding="utf-8") as handle:
-            if ".jsonl" in os.path.basename(path):
-                return [_json_line(line, path, number) for number, line in enumerate(handle, 1) if line.strip()]
             data = json.load(handle)
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}: not valid JSON ({error}).") from None
@@ -131,6 +133,12 @@ def load_conversations(source, split: str = "train", limit: int | None = None) -
             out.append(messages)
         if limit is not None and len(out) >= limit:
             break
+    if not out and isinstance(source, (str, os.PathLike)) and limit != 0:
+        raise ValueError(
+            f"{source}: no usable conversation ({len(examples)} example(s), none with an assistant "
+            "message): give conversations as {\"messages\": [{\"role\": \"user\", ...}, {\"role\": \"assistant\", "
+            "...}]} or ShareGPT {\"conversations\": [{\"from\": \"human\", ...}, {\"from\": \"gpt\", ...}]}."
+        )
     return out
 
 

@@ -61,10 +61,11 @@ def read_jsonl(path) -> list[dict]:
     A last line cut off by a kill while appending is dropped (and removed from the file, so appending resumes
     cleanly); any other line that is not valid JSON is an error naming the file and line.
     """
+    from ..textfiles import is_gzip, read_lines
+
     if not os.path.exists(path):
         return []
-    with open(path, encoding="utf-8") as handle:
-        lines = handle.readlines()
+    lines = [line for _, line in read_lines(path)]  # plain or gzip-compressed (`.jsonl.gz`)
     records = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -72,7 +73,7 @@ def read_jsonl(path) -> list[dict]:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as error:
-            if number == len(lines) and not line.endswith("\n"):
+            if number == len(lines) and not line.endswith("\n") and not is_gzip(path):
                 import warnings
 
                 warnings.warn(f"{path}:{number}: dropping a line cut off by an interrupted run.", stacklevel=2)

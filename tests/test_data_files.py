@@ -1,0 +1,105 @@
+"""Every command that reads data reads the files the project writes (`.jsonl.gz`), and a bad file is named with its
+line and what to do: bytes that are not UTF-8, cut-off gzip data, no usable conversation, an empty prompt row."""
+
+import gzip
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformers_poss.bench.run import load_questions
+from transformers_poss.cli.generate import read_prompt
+from transformers_poss.cli.vocab import corpus_texts
+from transformers_poss.textfiles import read_lines
+from transformers_poss.training.data import load_conversations
+from transformers_poss.training.distill import read_jsonl
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "smollm2-135m-instruct"
+
+
+def _gz(path, lines):
+    with gzip.open(path, "wt", encoding="utf-8") as handle:
+        handle.write("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_the_projects_own_data_files_are_read_everywhere():
+    conversations = DATA / "conversations.jsonl.gz"
+    texts = corpus_texts([str(conversations)])  # poss vocab --corpus
+    assert next(texts).strip()
+    assert len(load_conversations(str(conversations), limit=3)) == 3  # poss train --train
+    prompts = read_jsonl(DATA / "prompts.jsonl.gz")  # poss train --prompts
+    assert prompts and isinstance(prompts[0]["prompt"], str)
+
+
+def test_gzip_question_file_for_bench(tmp_path):
+    path = _gz(tmp_path / "q.jsonl.gz", [json.dumps({"question_id": i, "turns": [f"question {i}"]}) for i in range(3)])
+    assert [q["text"] for q in load_questions([path])] == ["question 0", "question 1", "question 2"]
+
+
+def test_compression_is_recognised_by_content_not_name(tmp_path):
+    path = _gz(tmp_path / "corpus.jsonl", [json.dumps({"text": "hello"})])
+    assert list(corpus_texts([str(path)])) == ["hello"]
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_line_that_is_not_utf8_is_named(tmp_path, compressed):
+    raw = b'{"text": "fine"}\n{"text": "caf\xe9"}\n'
+    path = tmp_path / ("c.jsonl.gz" if compressed else "c.jsonl")
+    path.write_bytes(gzip.compress(raw) if compressed else raw)
+    with pytest.raises(ValueError, match=r"c\.jsonl(\.gz)?:2: not UTF-8 text \(byte 0xe9 at column 14\); save"):
+        list(corpus_texts([str(path)]))
+    with pytest.raises(ValueError, match=":2: not UTF-8"):
+        load_conversations(str(path))
+    questions = tmp_path / "q.jsonl"
+    questions.write_bytes(b'{"turns": ["ok"]}\n{"turns": ["\xff"]}\n')
+    with pytest.raises(ValueError, match=r"q\.jsonl:2: not UTF-8 text"):
+        load_questions([questions])
+
+
+def test_cut_off_gzip_data(tmp_path):
+    whole = gzip.compress(b"".join(json.dumps({"text": f"line {i}"}).encode() + b"\n" for i in range(400)))
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"cut\.jsonl\.gz: cannot be read after line \d+: the gzip data is truncated"):
+        list(read_lines(path))
+
+
+def test_a_data_file_with_no_usable_conversation(tmp_path):
+    path = tmp_path / "users-only.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"users-only\.jsonl: no usable conversation \(1 example\(s\), none with an "
+                                         r"assistant message\)"):
+        load_conversations(str(path))
+
+
+def test_non_utf8_prompts_are_refused_with_the_byte():
+    with pytest.raises(ValueError, match=r"prompt on stdin is not UTF-8 text \(byte 0xff at offset 3\)"):
+        read_prompt(None, io.BytesIO(b"abc\xff"))
+    assert read_prompt(None, io.BytesIO("\ufeffhé".encode())) == "hé"
+    with pytest.raises(ValueError, match="prompt argument is not UTF-8"):
+        read_prompt("caf\udce9")
+
+
+def test_non_utf8_prompt_on_the_command_line(capsys, monkeypatch):
+    from transformers_poss.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe bad")))
+    assert main(["generate", "--target", "./no-such-target"]) == 2
+    err = capsys.readouterr().err
+    assert "not UTF-8 text" in err and "Traceback" not in err
+
+
+def test_an_empty_row_in_a_batch_is_named():
+    from helpers import tiny_draft, tiny_llama
+
+    target = tiny_llama()
+    draft = tiny_draft(target)
+    ids = torch.randint(3, 100, (3, 5))
+    mask = torch.ones_like(ids)
+    mask[1] = 0
+    with pytest.raises(ValueError, match=r"Row\(s\) \[1\] of the batch are empty"):
+        target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=4, do_sample=False,
+                        pad_token_id=0)  # fmt: skip
