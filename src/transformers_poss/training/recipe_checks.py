@@ -106,6 +106,53 @@ def check_recipe(config) -> None:
     positive_int("--max_length", config.training.max_length)
     if not (data.train or data.prompts or data.synthesize_prompts) and script.stage != "train":
         raise ValueError("no training data: give --train, --prompts or --synthesize_prompts.")
+    check_resumable(config)
+
+
+# draft settings a run resumed from a checkpoint must share with it (None in the recipe: whatever the target gives)
+_RESUMED_FIELDS = ("num_specialists", "positions_per_specialist", "layer_style", "feature_layers",
+                   "intermediate_size", "draft_vocab_size")
+
+
+def check_resumable(config) -> None:
+    """A run into an ``output_dir`` that already holds checkpoints resumes from the newest complete one: refuse when
+    that checkpoint's draft is not the one this recipe builds (other S, N, layers, widths or vocabulary), instead of
+    silently keeping its weights or failing in the optimizer."""
+    from .checkpoints import _CHECKPOINT, checkpoint_problem
+
+    output_dir = config.training.output_dir
+    if not output_dir or not os.path.isdir(output_dir):
+        return
+    found = sorted(((int(m.group(1)), name) for name in os.listdir(output_dir) if (m := _CHECKPOINT.match(name))),
+                   reverse=True)
+    for _, name in found:
+        folder = os.path.join(output_dir, name)
+        if checkpoint_problem(folder) is None:
+            break
+    else:
+        return
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as handle:
+            stored = json.load(handle)
+    except (OSError, ValueError):
+        return  # not a draft checkpoint this check can read: the resume itself reports it
+    draft, changed = config.draft, []
+    for key in _RESUMED_FIELDS:
+        wanted, had = getattr(draft, key), stored.get(key)
+        if key == "feature_layers":
+            wanted, had = list(wanted or []) or None, list(had or []) or None
+        elif key == "layer_style":
+            had = had or "eagle2"
+        elif wanted is None:
+            continue
+        if wanted != had:
+            changed.append(f"{key} {had!r} there, {wanted!r} now")
+    if changed:
+        raise ValueError(
+            f"--output_dir {output_dir} holds {name} of another draft ({'; '.join(changed)}): training would resume "
+            "from it and keep its weights. Give a new --output_dir, or move its checkpoint-* folders away to start "
+            "fresh."
+        )
 
 
 def draft_shape_fields(draft) -> dict:
