@@ -73,6 +73,42 @@ def _feature_layers(value: Any, num_hidden_layers: int | None) -> list[int] | No
     return layers
 
 
+# the names causal LM configs give their sizes (transformers' `attribute_map` covers most; these cover the rest)
+_HIDDEN_NAMES = ("hidden_size", "n_embd", "d_model", "dim", "model_dim", "embed_dim", "hidden_dim")
+_HEAD_NAMES = ("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads")
+_KV_HEAD_NAMES = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "n_kv_heads", "num_key_value_groups_total")
+_LAYER_NAMES = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
+_FFN_NAMES = ("intermediate_size", "n_inner", "ffn_dim", "d_ff", "ffn_hidden_size", "decoder_ffn_dim",
+              "inner_hidden_size", "mlp_dim", "dim_ff")
+_EPS_NAMES = ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps", "rms_norm_epsilon")
+# recurrent / state-space architectures: no attention over a cache for a tree mask (some name SSM "heads")
+RECURRENT_MODEL_TYPES = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm")
+_POSITION_NAMES = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_sequence_length")
+
+
+def _size(config, *names):
+    """The first of ``names`` that ``config`` gives (through its ``attribute_map`` too); per-layer values that a
+    config refuses to give globally count as absent."""
+    for name in names:
+        try:
+            value = getattr(config, name, None)
+        except Exception:  # e.g. transformers' per-layer attributes, which have no single value
+            continue
+        if value is not None and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _intermediate(config, hidden: int) -> int:
+    """The target's MLP width (the largest of a per-layer list; 4 * hidden when the config names none)."""
+    value = _size(config, *_FFN_NAMES)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) for v in value):
+        value = max(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return value if isinstance(value, int) and value > 0 else 4 * hidden
+
+
 class PosSDraftConfig(PreTrainedConfig):
     r"""Configuration of a [`PosSDraftModel`]: an EAGLE-style feature draft with position-specialist layers.
 
@@ -273,31 +309,44 @@ class PosSDraftConfig(PreTrainedConfig):
         arguments are config fields, e.g. ``feature_layers=[2, L // 2, L - 3]`` (checked against the target's
         ``num_hidden_layers``), ``layer_style="eagle3"``, ``own_lm_head=True``.
         """
-        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        rope = getattr(text, "rope_parameters", None)
+        text = target_config.get_text_config(decoder=True) if hasattr(target_config, "get_text_config") else target_config
+        rope = _size(text, "rope_parameters")
         if isinstance(rope, dict) and "full_attention" in rope:  # per-layer-type rope (Gemma 3)
             rope = rope["full_attention"]
-        if rope is None:
-            rope = {"rope_type": "default", "rope_theta": getattr(text, "rope_theta", 10000.0)}
-        num_heads = text.num_attention_heads
+        if not isinstance(rope, dict) or not rope:
+            rope = {"rope_type": "default", "rope_theta": _size(text, "rope_theta") or 10000.0}
+        hidden = _size(text, *_HIDDEN_NAMES)
+        num_heads = _size(text, *_HEAD_NAMES)
+        if getattr(text, "model_type", None) in RECURRENT_MODEL_TYPES:
+            num_heads = None
+        if not isinstance(hidden, int) or not isinstance(num_heads, int):
+            kind = getattr(text, "model_type", type(text).__name__)
+            raise ValueError(
+                f"for_target: the {kind!r} config names no {'hidden size' if not isinstance(hidden, int) else ''}"
+                f"{' and no ' if not isinstance(hidden, int) and not isinstance(num_heads, int) else ''}"
+                f"{'attention head count' if not isinstance(num_heads, int) else ''} (a recurrent or state-space "
+                "model has none; some configs only give them per layer): tree verification needs an attention "
+                "target. Pass the sizes to PosSDraftConfig yourself if this target has attention layers."
+            )
+        head_dim, positions = _size(text, "head_dim"), _size(text, *_POSITION_NAMES)
         return cls(
             vocab_size=text.vocab_size,
-            hidden_size=text.hidden_size,
-            intermediate_size=intermediate_size or text.intermediate_size,
+            hidden_size=hidden,
+            intermediate_size=intermediate_size or _intermediate(text, hidden),
             num_attention_heads=num_heads,
-            num_key_value_heads=getattr(text, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // num_heads,
-            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            num_key_value_heads=_size(text, *_KV_HEAD_NAMES) or num_heads,
+            head_dim=head_dim if isinstance(head_dim, int) else hidden // num_heads,
+            rms_norm_eps=_size(text, *_EPS_NAMES) or 1e-6,
             rope_parameters=dict(rope),
-            max_position_embeddings=getattr(text, "max_position_embeddings", 8192),
+            max_position_embeddings=positions if isinstance(positions, int) and positions > 0 else 8192,
             num_specialists=num_specialists,
             positions_per_specialist=positions_per_specialist,
             fc_bias=fc_bias,
             target_model_type=text.model_type,
             target_name_or_path=name_or_path or getattr(target_config, "_name_or_path", None) or None,
             target_vocab_size=text.vocab_size,
-            target_hidden_size=text.hidden_size,
-            target_num_hidden_layers=getattr(text, "num_hidden_layers", None),
+            target_hidden_size=hidden,
+            target_num_hidden_layers=_size(text, *_LAYER_NAMES),
             bos_token_id=getattr(text, "bos_token_id", None),
             eos_token_id=getattr(text, "eos_token_id", None),
             pad_token_id=getattr(text, "pad_token_id", None),

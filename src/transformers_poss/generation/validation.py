@@ -13,6 +13,7 @@ import torch
 from transformers.generation.configuration_utils import GenerationMode
 
 from .._transformers_compat import attn_implementation
+from ..configuration_poss import RECURRENT_MODEL_TYPES
 from ..quantization.exact_attention import EXACT_ATTENTION
 from ..quantization.int8 import has_int8_activations, is_batch_variant
 from ..speculation.target_cache import UnsupportedCacheError, check_cache_supported
@@ -20,8 +21,35 @@ from ..speculation.target_cache import UnsupportedCacheError, check_cache_suppor
 SUPPORTED_ATTENTION = ("sdpa", "eager", EXACT_ATTENTION)
 
 
+# targets whose positions are not read from position_ids (ALiBi biases built from the 2D mask) and targets without
+# attention over a cache (recurrent / state-space): a tree forward cannot be expressed for them
+_ALIBI_MODEL_TYPES = ("bloom", "mpt")
+
+
+def unsupported_architecture(config) -> str | None:
+    """Why tree verification cannot serve a target with ``config`` (None when it can, as far as the config says)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kind = getattr(text, "model_type", type(text).__name__)
+    if kind in RECURRENT_MODEL_TYPES:
+        return (f"the {kind!r} architecture is a recurrent / state-space model: tree verification needs attention "
+                "over a cache that takes a 4D tree mask.")
+    if kind in _ALIBI_MODEL_TYPES or getattr(text, "alibi", False) is True or (
+            getattr(getattr(text, "attn_config", None), "alibi", False) is True):
+        return (f"the {kind!r} target uses ALiBi position biases (alibi), which it builds from the 2D attention mask "
+                "instead of position ids, so tree nodes would see wrong distances; only rotary and learned "
+                "absolute positions are supported.")
+    embedding = getattr(text, "position_embedding_type", None)
+    if isinstance(embedding, str) and embedding not in ("absolute", "rope", "rotary"):
+        return (f"the {kind!r} target uses position_embedding_type={embedding!r}; only rotary and learned absolute "
+                "positions are supported.")
+    return None
+
+
 def check_generation_config(model, draft, generation_mode, generation_config) -> None:
     """Clear errors for settings tree speculation cannot honour (called before any preparation)."""
+    problem = unsupported_architecture(model.config)
+    if problem is not None:
+        raise ValueError(f"Tree speculation cannot serve this target: {problem} Generate without assistant_model.")
     if generation_mode != GenerationMode.ASSISTED_GENERATION:
         raise ValueError(
             f"A PosS draft supports greedy decoding and sampling only, but these settings select {generation_mode} "
