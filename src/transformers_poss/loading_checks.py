@@ -107,6 +107,12 @@ def check_draft_folder(folder: str, allow_official: bool = False) -> None:
     if missing:
         raise ValueError(f"{os.path.join(folder, 'config.json')} lacks {', '.join(missing)}: restore the file or "
                          "save the draft again (draft.save_pretrained).")
+    for key, value in config.items():  # a number written as a string ("64"): name the file, the field and the fix
+        if isinstance(value, str) and value.strip().lstrip("-").replace(".", "", 1).isdigit() and (
+                key.endswith(("_size", "_id", "_eps", "_theta")) or key.startswith(("num_", "tree_"))
+                or key in ("head_dim", "positions_per_specialist", "max_position_embeddings")):
+            raise ValueError(f"{os.path.join(folder, 'config.json')}: `{key}` is the string {value!r}; write it as a "
+                             f"number ({value.strip()}, without quotes).")
     stored = _layer_count(keys)
     wanted = config.get("num_specialists", 1)
     if stored is not None and stored != wanted:
