@@ -67,6 +67,9 @@ class MethodResult:
         plain_tokens: tokens produced by plain decoding after a fallback of the automatic budget (0: none; None:
             the method has no fallback).
         plain_seconds: seconds of that plain decoding.
+        source_tokens: with context candidates, accepted draft tokens per source (``draft``, ``context``; a token
+            both proposed counts for both).
+        source_rounds: rounds in which each source proposed an accepted token; source_round_total: rounds counted.
     """
 
     tokens: list[int]
@@ -77,6 +80,9 @@ class MethodResult:
     position_counts: tuple[list[int], list[int]] | None = None
     plain_tokens: int | None = None
     plain_seconds: float | None = None
+    source_tokens: dict[str, int] | None = None
+    source_rounds: dict[str, int] | None = None
+    source_round_total: int | None = None
 
 
 @dataclass
@@ -158,20 +164,27 @@ def result_from_generate(output, prompt_length: int, rounds: list[tuple[int, int
         split = _time_split(acceptance)
         plain_tokens = getattr(acceptance, "plain_steps", None)
         plain_seconds = (split or {}).get("plain_decoding", 0.0) if plain_tokens is not None else None
-        return MethodResult(tokens, accepted, depths, positions, split, counts, plain_tokens, plain_seconds)
+        sources = {}
+        if getattr(acceptance, "source_round_total", 0):
+            sources = {"source_tokens": dict(acceptance.source_tokens), "source_rounds": dict(acceptance.source_rounds),
+                       "source_round_total": int(acceptance.source_round_total)}
+        return MethodResult(tokens, accepted, depths, positions, split, counts, plain_tokens, plain_seconds, **sources)
     if rounds:
         return MethodResult(tokens, [m + 1 for _, m in rounds], [c for c, _ in rounds])
     return MethodResult(tokens)
 
 
 @contextlib.contextmanager
-def tree_shape(draft, depth: int | None = None, top_k: int | None = None, total_tokens: int | None = None):
-    """Temporarily set the tree shape on ``draft.generation_config`` (None keeps the draft's own value)."""
+def tree_shape(draft, depth: int | None = None, top_k: int | None = None, total_tokens: int | None = None,
+               context: bool | int | None = None):
+    """Temporarily set the tree shape (and ``tree_context_candidates``: ``context``) on ``draft.generation_config``
+    (None keeps the draft's own value)."""
     from ..checks import tree_value
 
     config = draft.generation_config
     wanted = {"tree_depth": depth, "tree_top_k": top_k, "tree_total_tokens": total_tokens}
     wanted = {key: None if value is None else tree_value(key, value) for key, value in wanted.items()}
+    wanted["tree_context_candidates"] = context
     saved = {key: getattr(config, key, None) for key in wanted}
     for key, value in wanted.items():
         if value is not None:
@@ -230,11 +243,15 @@ def assistant_method(name: str, model, assistant, source: str) -> Method:
                            info={"kind": "chain_assistant", "source": source})
 
 
-def draft_method(name: str, model, draft, source: str, depth=None, top_k=None, total_tokens=None) -> Method:
-    """PosS tree speculation with `draft`, optionally with a tree shape overriding the draft's own."""
-    shape = {"depth": depth, "top_k": top_k, "total_tokens": total_tokens}
+def draft_method(name: str, model, draft, source: str, depth=None, top_k=None, total_tokens=None,
+                 context=None) -> Method:
+    """PosS tree speculation with `draft`, optionally with a tree shape (and ``tree_context_candidates``:
+    ``context``) overriding the draft's own."""
+    shape = {"depth": depth, "top_k": top_k, "total_tokens": total_tokens, "context": context}
     config = draft.generation_config
     effective = {key: value if value is not None else getattr(config, f"tree_{key}", None)
-                 for key, value in shape.items()}
+                 for key, value in shape.items() if key != "context"}
+    effective["context_candidates"] = context if context is not None else getattr(config, "tree_context_candidates",
+                                                                                   None)
     info = {"kind": "poss_tree", "source": source, "tree": effective}
     return generate_method(name, model, draft=draft, shape=shape, record_rounds=True, info=info)

@@ -168,6 +168,20 @@ def plain_decoding(records: list[PromptRecord]) -> dict:
             "prompts": sum(1 for r in records if r.result.plain_tokens)}
 
 
+def sources(records: list[PromptRecord]) -> dict | None:
+    """With context candidates: per source (``draft``, ``context``), the accepted draft tokens it proposed
+    (``accepted_tokens``; a token both proposed counts for both) and the share of rounds in which it proposed at
+    least one accepted token (``round_share``). None for methods without sources."""
+    counted = [r.result for r in records if r.result.source_round_total]
+    if not counted:
+        return None
+    total = sum(r.source_round_total for r in counted)
+    names = sorted({name for r in counted for name in r.source_tokens})
+    return {name: {"accepted_tokens": sum(r.source_tokens.get(name, 0) for r in counted),
+                   "round_share": round(sum(r.source_rounds.get(name, 0) for r in counted) / total, 4)}
+            for name in names}
+
+
 def summarize(records: list[PromptRecord], baseline: list[PromptRecord]) -> dict:
     """Speed, speed-up, acceptance and equality over a set of prompts (baseline = the same prompts' baseline runs)."""
     tokens = sum(r.new_tokens for r in records)
@@ -186,6 +200,7 @@ def summarize(records: list[PromptRecord], baseline: list[PromptRecord]) -> dict
         "mean_draft_depth": _mean(d for r in records for d in (r.result.drafted_lengths or ()) if d > 0),
         "identical_to_baseline": sum(1 for r in records if r.identical),
         "plain_decoding": plain_decoding(records),
+        "sources": sources(records),
     }
 
 
@@ -239,6 +254,21 @@ def markdown_table(methods: dict) -> str:
             f"| {_fmt(m['speedup']['median'], '{:.2f}x')} | {_fmt(m['speedup']['aggregate'], '{:.2f}x')} "
             f"| {_fmt(m['mean_acceptance_length'])} | {plain} | {m['identical_to_baseline']}/{m['prompts']} "
             f"| {_fmt(m.get('peak_memory_mb'), '{:.0f}')} (+{_fmt(m.get('peak_memory_delta_mb'), '{:.0f}')}) |")
+    return "\n".join(lines)
+
+
+def source_table(methods: dict) -> str:
+    """Markdown table of the accepted tokens and the share of rounds per source ("" when no method has sources)."""
+    rows = [(name, m["sources"]) for name, m in methods.items() if m.get("sources")]
+    if not rows:
+        return ""
+    lines = ["| method | draft tokens | draft rounds | context tokens | context rounds |", "|---|---:|---:|---:|---:|"]
+    for name, entry in rows:
+        cells = []
+        for source in ("draft", "context"):
+            value = entry.get(source, {"accepted_tokens": 0, "round_share": 0.0})
+            cells += [str(value["accepted_tokens"]), f"{value['round_share']:.0%}"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

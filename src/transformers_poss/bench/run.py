@@ -26,7 +26,7 @@ from transformers.utils import logging
 from .methods import (GenerationSettings, Method, Prompt, assistant_method, baseline_method, draft_method,
                       prompt_lookup_method)
 from .metrics import (ACCEPTANCE_CONVENTION, PromptRecord, category_table, compare_with_baseline, markdown_table,
-                      method_report, plain_percent)
+                      method_report, plain_percent, source_table)
 from .runtime import PeakMemory, environment, synchronize
 
 
@@ -238,6 +238,8 @@ def mismatch_report(report: dict) -> list[str]:
 def render(report: dict) -> str:
     """Markdown for stdout: the method table, speed-up per category, and the sweep when there is one."""
     parts = [markdown_table(report["methods"]), "", category_table(report["methods"])]
+    if source_table(report["methods"]):  # context candidates: tokens and rounds per source
+        parts += ["", source_table(report["methods"])]
     if len(report["methods"]["baseline"]["by_file"]) > 1:
         parts += ["", category_table(report["methods"], "by_file")]
     if "sweep" in report:

@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tree.add_argument("--tree-total-tokens", type=tree_total_tokens, default=None,
                       help="nodes verified per round, root included, or 'auto' (chosen per round from the measured "
                            "cost of verification on this machine)")
+    tree.add_argument("--context-candidates", choices=["draft", "off", "on", "both"], default="draft",
+                      help="continuations copied from the context in the draft's trees (tree_context_candidates): "
+                           "the draft's own setting (default), off, on, or both (each draft twice, LABEL+context on)")
     tree.add_argument("--sweep", action="store_true",
                       help="run every draft at every depth x total-tokens shape, and as a chain (top-k 1) of "
                            "each depth")
@@ -126,8 +129,11 @@ def build_methods(args, target) -> list:
     for label, source in _labelled(args.draft):
         draft = quantized(load_draft(source, target), args.quantize)  # int8 drafts keep their own attention
         if not args.sweep:
-            methods.append(draft_method(label, target, draft, source, args.tree_depth, args.tree_top_k,
-                                        args.tree_total_tokens))
+            variants = {"draft": [(label, None)], "off": [(label, False)], "on": [(label, True)],
+                        "both": [(label, False), (f"{label}+context", True)]}[args.context_candidates]
+            for name, context in variants:
+                methods.append(draft_method(name, target, draft, source, args.tree_depth, args.tree_top_k,
+                                            args.tree_total_tokens, context=context))
             continue
         for depth in args.sweep_depths:
             for total in args.sweep_total_tokens:
@@ -153,6 +159,7 @@ def settings_record(args, chat: bool, target) -> dict:
         "temperature": args.temperature, "greedy": args.temperature <= 0, "top_p": args.top_p, "top_k": args.top_k,
         "seed": args.seed, "threads": torch.get_num_threads(), "warmup": args.warmup, "chat_template": chat,
         "tree": {"depth": args.tree_depth, "top_k": args.tree_top_k, "total_tokens": args.tree_total_tokens},
+        "context_candidates": args.context_candidates,
         "sweep": {"depths": args.sweep_depths, "total_tokens": args.sweep_total_tokens,
                   "chains": not args.no_sweep_chains} if args.sweep else None,
         "prompt_lookup": None if args.no_prompt_lookup else
