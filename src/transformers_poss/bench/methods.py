@@ -251,7 +251,6 @@ def draft_method(name: str, model, draft, source: str, depth=None, top_k=None, t
     config = draft.generation_config
     effective = {key: value if value is not None else getattr(config, f"tree_{key}", None)
                  for key, value in shape.items() if key != "context"}
-    effective["context_candidates"] = context if context is not None else getattr(config, "tree_context_candidates",
-                                                                                   None)
-    info = {"kind": "poss_tree", "source": source, "tree": effective}
+    copied = context if context is not None else getattr(config, "tree_context_candidates", None)
+    info = {"kind": "poss_tree", "source": source, "tree": effective, "context_candidates": copied}
     return generate_method(name, model, draft=draft, shape=shape, record_rounds=True, info=info)
