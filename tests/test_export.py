@@ -17,7 +17,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from helpers import tiny_draft, tiny_llama
 from transformers_poss import PosSDraftModel
 from transformers_poss.cli import main
-from transformers_poss.export import EAGLE_TOKEN_MAP_FILE, ExportError, export_custom_generate, export_eagle
+from transformers_poss.checkpoints.export import EAGLE_TOKEN_MAP_FILE, ExportError, export_custom_generate, export_eagle
 
 LAYER_KEYS = {f"layers.0.{part}" for part in (
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",

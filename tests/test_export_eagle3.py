@@ -12,8 +12,8 @@ from helpers import FEATURE_VARIANTS, randomize_norms, selected_features, tiny_d
 from reference_eagle import eagle3_logits
 from transformers_poss import PosSDraftModel
 from transformers_poss.cli import main
-from transformers_poss.export import ExportError, export_eagle
-from transformers_poss.export_eagle3 import export_eagle3
+from transformers_poss.checkpoints.export import ExportError, export_eagle
+from transformers_poss.checkpoints.export_eagle3 import export_eagle3
 
 
 def _draft(variant="eagle3-fl-head", **kwargs):

@@ -11,9 +11,9 @@ import torch
 from helpers import save_tiny_target, tiny_draft, tiny_llama
 from transformers_poss import PosSDraftModel
 from transformers_poss.cli import main
-from transformers_poss.export import EAGLE_TOKEN_MAP_FILE, export_custom_generate, export_eagle
-from transformers_poss.export_eagle3 import export_eagle3
-from transformers_poss.folders import check_output_folder, staged_folder
+from transformers_poss.checkpoints.export import EAGLE_TOKEN_MAP_FILE, export_custom_generate, export_eagle
+from transformers_poss.checkpoints.export_eagle3 import export_eagle3
+from transformers_poss.checkpoints.folders import check_output_folder, staged_folder
 
 
 def _pair(**kwargs):
@@ -115,7 +115,7 @@ def test_custom_generate_folder_works_after_a_move(tmp_path):
     shutil.copytree(tmp_path / "moved", tmp_path / "copy")
     other = tiny_draft(target, num_specialists=1, seed=9)
     other.save_pretrained(tmp_path / "copy")
-    from transformers_poss.export import _DRAFT_CACHE
+    from transformers_poss.checkpoints.export import _DRAFT_CACHE
 
     _DRAFT_CACHE.clear()
     out = target.generate(ids, custom_generate=str(tmp_path / "copy"), trust_remote_code=True, max_new_tokens=10,

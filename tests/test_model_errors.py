@@ -175,7 +175,7 @@ def test_device_checks_before_loading():
 
 
 def test_empty_draft_path():
-    from transformers_poss.loading_checks import check_draft_source
+    from transformers_poss.checkpoints.loading import check_draft_source
 
     with pytest.raises(ValueError, match="an empty name was given as the draft folder"):
         check_draft_source("")

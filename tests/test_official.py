@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from helpers import tiny_llama
 from transformers_poss import PosSDraftModel
 from transformers_poss.cli.convert import convert_official
-from transformers_poss.official import positions_from_name
+from transformers_poss.checkpoints.official import positions_from_name
 
 
 def _official_state(target, layers=2, bias=True, same_embedding=True, seed=0):

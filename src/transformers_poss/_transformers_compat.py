@@ -9,8 +9,7 @@ Checked: ``GenerationMixin._assisted_decoding`` / ``_validate_generation_mode`` 
 ``_prefill`` / ``_sample`` / ``_update_model_kwargs_for_generation`` (the tree loop and the hand-over),
 ``_get_candidate_generator`` (the bench's round recorder) and ``_supports_logits_to_keep`` (verification forwards).
 Attributes read at run time (``config._attn_implementation``, ``generation_config._pad_token_tensor`` /
-``_mask_length``) and the private keyword arguments of ``transformers.utils.cached_file`` (reading a draft's optional
-files) go through the accessors below as well. ``Trainer._save_checkpoint`` / ``_get_output_dir`` (overridden by the atomic
+``_mask_length``) go through the accessors below as well. ``Trainer._save_checkpoint`` / ``_get_output_dir`` (overridden by the atomic
 checkpoints of `training.checkpoints`) are checked by `check_trainer` when that module is imported.
 """
 
@@ -136,16 +135,6 @@ def pad_token_tensor(generation_config):
 def set_mask_length(generation_config, length: int) -> None:
     """Without an attention mask, ``_prefill`` slices the inputs by this length."""
     generation_config._mask_length = length
-
-
-# ------------------------------------------------------------------------------------------------ hub
-def optional_hub_file(name_or_path, filename: str, **kwargs) -> str | None:
-    """``cached_file`` of one file of a Hub repo that may lack it: its local path, or None when the repo has no such
-    file or the Hub cannot be reached (its ``_raise_exceptions_for_*`` keywords are private)."""
-    from transformers.utils import cached_file
-
-    return cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False,
-                       _raise_exceptions_for_connection_errors=False, **kwargs)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ Trainer

@@ -1,11 +1,7 @@
-"""``transformers_poss.embedded``: the name the public API gives `transformers_poss.targets.embedded`.
-
-This module is replaced by that one on import, so both names are the same module object (attributes set on one,
-e.g. by tests, are seen through the other).
+"""``transformers_poss.embedded``: the embedded real targets under the short name the public API gives them
+(``from transformers_poss.embedded import load_target``). A plain re-export of `transformers_poss.targets.embedded`;
+to patch the module's internals (tests), patch `transformers_poss.targets.embedded` itself.
 """
 
-import sys
-
-from .targets import embedded as _embedded
-
-sys.modules[__name__] = _embedded
+from .targets.embedded import *  # noqa: F401,F403
+from .targets.embedded import __all__, resolve_target, uses_chat_template  # noqa: F401

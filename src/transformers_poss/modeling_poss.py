@@ -324,38 +324,53 @@ class PosSDraftModel(PosSPreTrainedModel):
         proposer = PosSProposer(self, depth=depth, top_k=top_k, total_tokens=total_tokens)
         return proposer.propose(input_ids[:, 1:], target_hidden_states)
 
-    # ------------------------------------------------------------------ hub
+    # ------------------------------------------------------------------ hub (transformers_poss.checkpoints)
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' ``save_pretrained`` plus ``generation_config.json`` (tree shape), the draft's model card
         (``tags=`` adds card tags) and ``training_recipe.json`` when set; ``push_to_hub=True`` uploads them too."""
-        from .hub import save_pretrained_with_card
+        from .checkpoints import save_pretrained_with_card
 
         return save_pretrained_with_card(self, super().save_pretrained, save_directory, args, kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """Upload the draft (safetensors, config, generation config with the tree shape, its model card and
         training recipe) in one commit; ``tags=`` adds card tags. Returns the `CommitInfo`."""
-        from .hub import push_draft_to_hub
+        from .checkpoints import push_draft_to_hub
 
         return push_draft_to_hub(self, repo_id, **kwargs)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        from .hub import load_hub_files, load_tree_generation_config
-        from .loading_checks import checked_from_pretrained
+        """transformers' ``from_pretrained`` with the checks of a draft folder around it (a target, an authors'
+        checkpoint or a broken save is refused, naming the folder), reading back the tree shape, card and recipe."""
+        from .checkpoints import load_pretrained
 
-        model, info = checked_from_pretrained(super().from_pretrained, pretrained_model_name_or_path, *args, **kwargs)
-        model.generation_config = load_tree_generation_config(pretrained_model_name_or_path, model.config, kwargs)
-        load_hub_files(model, pretrained_model_name_or_path, kwargs)  # card and training recipe
-        return (model, info) if kwargs.get("output_loading_info") else model
+        return load_pretrained(super().from_pretrained, pretrained_model_name_or_path, args, kwargs)
 
     @classmethod
-    def from_official(cls, repo_id_or_folder, target=None, positions_per_specialist=None, **kwargs):
+    def from_official(cls, repo_id_or_folder, target=None, positions_per_specialist=None, dtype=None, **hub_kwargs):
         """Load a checkpoint released with the PosS paper, an EAGLE / HASS one, or an EAGLE-3 one (as an
-        ``eagle3``-style draft reading its aux target layers). See [`transformers_poss.official`]."""
-        from .official import load_official
+        ``eagle3``-style draft reading its aux target layers); ``target`` is attached. The checkpoint is read by
+        [`transformers_poss.checkpoints.read_official`]; the draft is in ``dtype`` (default: the target's, else
+        float32) and in eval mode."""
+        from .checkpoints import read_official
 
-        return load_official(cls, repo_id_or_folder, target=target, positions_per_specialist=positions_per_specialist, **kwargs)
+        checkpoint = read_official(repo_id_or_folder, target=target, positions_per_specialist=positions_per_specialist,
+                                   **hub_kwargs)
+        model = cls(checkpoint.config)
+        missing, unexpected = model.load_state_dict(checkpoint.state_dict, strict=False)
+        missing = [k for k in missing if k != "draft_to_target"]
+        if missing or unexpected:
+            raise ValueError(f"Checkpoint does not fit the draft architecture: missing {missing}, unexpected "
+                             f"{unexpected}.")
+        if checkpoint.token_map is not None:
+            model.draft_to_target.copy_(checkpoint.token_map)
+        for key, value in checkpoint.generation.items():  # the tree shape an exported checkpoint recorded
+            setattr(model.generation_config, key, value)
+        model = model.to(dtype or (target.dtype if target is not None else torch.float32)).eval()
+        if target is not None:
+            model.to(target.get_output_embeddings().weight.device).attach_target(target)
+        return model
 
 
 __all__ = [

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from helpers import tiny_draft, tiny_llama
-from transformers_poss import cli, embedded
+from transformers_poss import cli
+from transformers_poss.targets import embedded
 from transformers_poss.cli import bench as bench_cli
 from transformers_poss.cli import loaders
 
@@ -227,7 +228,7 @@ def test_warnings_are_one_line(capsys, monkeypatch):
 
 
 def test_tune_save_needs_a_local_draft_folder(capsys, no_model_loads, monkeypatch):
-    from transformers_poss import loading_checks
+    from transformers_poss.checkpoints import loading as loading_checks
 
     monkeypatch.setattr(loading_checks, "check_draft_source", lambda source: None)  # pretend the Hub id exists
     _short_error(capsys, ["tune", "--draft", "someone/some-draft", "--save"], "--save writes the chosen shape")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import tiny_llama
 
-from transformers_poss import embedded
+from transformers_poss.targets import embedded
 from transformers_poss.embedded import EmbeddedTarget, MissingPackageError, load_target
 
 

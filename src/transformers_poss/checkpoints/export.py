@@ -38,9 +38,9 @@ from pathlib import Path
 
 import torch
 
-from .checks import TREE_KEYS
+from ..checks import TREE_KEYS
 from .folders import check_output_folder, staged_folder
-from .modeling_poss import PosSDraftModel
+from ..modeling_poss import PosSDraftModel
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class ExportError(ValueError):
 
 
 def _draft(model) -> PosSDraftModel:
-    from .generation import tree_draft_of
+    from ..generation import tree_draft_of
 
     draft = tree_draft_of(model)
     if draft is None:
@@ -254,7 +254,7 @@ DEFAULT_DRAFT = {default_draft!r}  # used only when the calling generate() does 
 
 
 def generate(model, *args, assistant_model=None, **kwargs):
-    from transformers_poss.export import run_custom_generate
+    from transformers_poss.checkpoints.export import run_custom_generate
 
     return run_custom_generate(model, *args, assistant_model=assistant_model, default_draft=DEFAULT_DRAFT,
                                from_caller=True, **kwargs)
@@ -288,8 +288,8 @@ _DRAFT_CACHE: dict[str, PosSDraftModel] = {}
 
 
 def _resolve_draft(assistant_model, default_draft, from_caller: bool = False):
-    from ._transformers_compat import custom_generate_location
-    from .generation import tree_draft_of
+    from .._transformers_compat import custom_generate_location
+    from ..generation import tree_draft_of
 
     if assistant_model is None and from_caller:  # the folder / repo the running generate(custom_generate=...) names
         assistant_model = custom_generate_location()
@@ -315,7 +315,7 @@ def run_custom_generate(model, *args, assistant_model=None, default_draft=None, 
     The draft: ``assistant_model`` if given; else (``from_caller``) the folder or Hub id the running
     ``generate(custom_generate=...)`` call loaded the code from, so a copied or moved folder uses its own draft; else
     ``default_draft`` (the ``repo_id`` given at export)."""
-    from .generation import enable_tree_generation
+    from ..generation import enable_tree_generation
 
     enable_tree_generation()
     draft = _resolve_draft(assistant_model, default_draft, from_caller=from_caller)

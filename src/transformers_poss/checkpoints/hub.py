@@ -1,9 +1,10 @@
-"""Hub plumbing of PosS drafts: the model card, uploads, and the files that travel with a draft.
+"""Saving and uploading PosS drafts: the files that travel with a draft, uploads, the Trainer's card hook.
 
 A saved draft folder holds ``model.safetensors``, ``config.json``, ``generation_config.json`` (the tree shape),
 ``README.md`` (the draft's own card, built with huggingface_hub's `ModelCard` / `ModelCardData`) and, when the draft
 carries one, ``training_recipe.json``. Loading a folder or Hub repo reads the card and the recipe back, so a hand
-written part of the card (``model.model_card_extra``) and the recipe survive load -> save -> push.
+written part of the card (``model.model_card_extra``) and the recipe survive load -> save -> push (the reading side
+is in `loading`).
 
 Uploads go through huggingface_hub's public API (`HfApi.create_repo`, `HfApi.upload_folder`), for
 ``draft.push_to_hub(...)``, ``draft.save_pretrained(path, push_to_hub=True)`` and the Trainer's ``push_to_hub``
@@ -17,11 +18,8 @@ import os
 import sys
 import tempfile
 
-from transformers import GenerationConfig
-
-from ._transformers_compat import optional_hub_file
-from .checks import tree_value
-from .configuration_poss import TREE_GENERATION_KEYS, PosSDraftConfig
+from ..configuration_poss import PosSDraftConfig
+from .loading import load_hub_files, load_tree_generation_config  # the reading side, re-exported
 from .model_card import (CARD_FILE, RECIPE_FILE, base_model_id, build_model_card, card_metrics, render_model_card,
                          split_card, write_model_card)
 
@@ -32,38 +30,7 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------------------------------- load / save
-def _optional_file(name_or_path, filename: str, kwargs: dict) -> str | None:
-    if os.path.isdir(str(name_or_path)):
-        path = os.path.join(str(name_or_path), filename)
-        return path if os.path.isfile(path) else None
-    try:
-        return optional_hub_file(
-            name_or_path, filename,
-            **{k: kwargs[k] for k in ("cache_dir", "local_files_only", "token", "revision") if k in kwargs},
-        )
-    except (OSError, ValueError):
-        return None
-
-
-def load_hub_files(model, name_or_path, kwargs: dict) -> None:
-    """Read the card (its metadata and hand-written part) and ``training_recipe.json`` of a draft folder or repo."""
-    recipe_path = _optional_file(name_or_path, RECIPE_FILE, kwargs)
-    if recipe_path:
-        try:
-            with open(recipe_path, encoding="utf-8") as handle:
-                model.training_recipe = json.load(handle)
-        except (OSError, ValueError):
-            model.training_recipe = None
-    card_path = _optional_file(name_or_path, CARD_FILE, kwargs)
-    if card_path:
-        with open(card_path, encoding="utf-8") as handle:
-            metadata, extra = split_card(handle.read())
-        object.__setattr__(model, "_poss_card_metadata", metadata)
-        if extra and not getattr(model, "model_card_extra", None):
-            model.model_card_extra = extra
-
-
+# ---------------------------------------------------------------------------------------------------- save
 def save_draft_files(model, save_directory, repo: str | None = None, tags=None, **card_kwargs) -> list[str]:
     """Write the files saved beside the weights: generation config, card and recipe. Returns their names."""
     model.generation_config.save_pretrained(save_directory)
@@ -197,24 +164,3 @@ def install_trainer_card_hook() -> None:
     trainer_class = trainer_module.Trainer
     _TRAINER_ORIGINAL["create_model_card"] = trainer_class.create_model_card
     trainer_class.create_model_card = _trainer_create_model_card
-
-
-# ---------------------------------------------------------------------------------------------------- tree shape
-def load_tree_generation_config(name_or_path, config, kwargs) -> GenerationConfig:
-    """The saved generation config (tree shape) if there is one, else the tree defaults of ``config``."""
-    try:
-        loaded = GenerationConfig.from_pretrained(
-            name_or_path,
-            **{k: kwargs[k] for k in ("cache_dir", "local_files_only", "token", "revision") if k in kwargs},
-        )
-    except (OSError, ValueError):
-        loaded = GenerationConfig()
-    for key in TREE_GENERATION_KEYS:
-        if getattr(loaded, key, None) is None:
-            setattr(loaded, key, getattr(config, key))
-        try:
-            setattr(loaded, key, tree_value(key, getattr(loaded, key)))
-        except ValueError as error:
-            raise ValueError(f"generation_config.json of {name_or_path}: {error} Fix the file or set "
-                             f"draft.generation_config.{key} after loading.") from None
-    return loaded

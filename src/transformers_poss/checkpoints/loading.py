@@ -1,4 +1,6 @@
-"""Checks around loading a saved PosS draft: the folder before ``from_pretrained`` reads it, the model after.
+"""Loading a saved PosS draft (`load_pretrained`, behind ``PosSDraftModel.from_pretrained``): the folder is checked
+before transformers reads it and the model after, then the files saved beside the weights are read back (the tree
+shape in ``generation_config.json``, the model card, ``training_recipe.json``).
 
 A folder that is not a PosS draft (a target model, an authors' PosS / EAGLE / HASS checkpoint, a hand-edited or
 truncated save) is refused with a message that names the folder and says what to do, instead of loading as a draft
@@ -10,6 +12,17 @@ from __future__ import annotations
 import json
 import os
 import re
+
+from transformers import GenerationConfig
+
+from ..checks import require_local_path, tree_value
+from ..configuration_poss import TREE_GENERATION_KEYS
+from .model_card import CARD_FILE, RECIPE_FILE, split_card
+
+__all__ = [
+    "MODEL_TYPE", "check_draft_folder", "check_draft_source", "check_loaded_draft", "check_token_map",
+    "checked_from_pretrained", "load_hub_files", "load_pretrained", "load_tree_generation_config", "safetensors_keys",
+]
 
 MODEL_TYPE = "poss_draft"
 REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")
@@ -70,8 +83,6 @@ def _layer_count(keys) -> int | None:
 def check_draft_source(source: str) -> None:
     """Check a draft given by path or Hub id where official checkpoints are accepted too (``poss bench --draft``):
     a missing local path or a folder that is neither a PosS draft nor an authors' checkpoint is refused."""
-    from .checks import require_local_path
-
     require_local_path(source, "draft folder")
     if os.path.isdir(source):
         check_draft_folder(source, allow_official=True)
@@ -172,8 +183,6 @@ def checked_from_pretrained(load, name, *args, **kwargs):
 
     Returns ``(model, loading_info)``.
     """
-    from .checks import require_local_path
-
     if isinstance(name, (str, os.PathLike)):
         require_local_path(name, "draft folder")
         if os.path.isdir(name):
@@ -194,3 +203,67 @@ def checked_from_pretrained(load, name, *args, **kwargs):
     check_loaded_draft(str(name), info)
     check_token_map(model)
     return model, info
+
+
+# ---------------------------------------------------------------------------------------------------- saved files
+def load_tree_generation_config(name_or_path, config, kwargs) -> GenerationConfig:
+    """The saved generation config (tree shape) if there is one, else the tree defaults of ``config``."""
+    try:
+        loaded = GenerationConfig.from_pretrained(name_or_path, **_hub_kwargs(kwargs))
+    except (OSError, ValueError):
+        loaded = GenerationConfig()
+    for key in TREE_GENERATION_KEYS:
+        if getattr(loaded, key, None) is None:
+            setattr(loaded, key, getattr(config, key))
+        try:
+            setattr(loaded, key, tree_value(key, getattr(loaded, key)))
+        except ValueError as error:
+            raise ValueError(f"generation_config.json of {name_or_path}: {error} Fix the file or set "
+                             f"draft.generation_config.{key} after loading.") from None
+    return loaded
+
+
+def _hub_kwargs(kwargs: dict) -> dict:
+    return {k: kwargs[k] for k in ("cache_dir", "local_files_only", "token", "revision") if k in kwargs}
+
+
+def _optional_file(name_or_path, filename: str, kwargs: dict) -> str | None:
+    """A file of a draft folder or Hub repo that may lack it: its local path, or None (also when the Hub cannot be
+    reached: the card and the recipe are optional)."""
+    if os.path.isdir(str(name_or_path)):
+        path = os.path.join(str(name_or_path), filename)
+        return path if os.path.isfile(path) else None
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(str(name_or_path), filename, **_hub_kwargs(kwargs))
+    except Exception:  # noqa: BLE001 - no such file or repo, offline, ...: the file is optional
+        return None
+
+
+def load_hub_files(model, name_or_path, kwargs: dict) -> None:
+    """Read the card (its metadata and hand-written part) and ``training_recipe.json`` of a draft folder or repo."""
+    recipe_path = _optional_file(name_or_path, RECIPE_FILE, kwargs)
+    card_path = _optional_file(name_or_path, CARD_FILE, kwargs)
+    if recipe_path:
+        try:
+            with open(recipe_path, encoding="utf-8") as handle:
+                model.training_recipe = json.load(handle)
+        except (OSError, ValueError):
+            model.training_recipe = None
+    if card_path:
+        with open(card_path, encoding="utf-8") as handle:
+            metadata, extra = split_card(handle.read())
+        object.__setattr__(model, "_poss_card_metadata", metadata)
+        if extra and not getattr(model, "model_card_extra", None):
+            model.model_card_extra = extra
+
+
+def load_pretrained(load, name, args: tuple, kwargs: dict):
+    """``PosSDraftModel.from_pretrained``: ``load`` (transformers' ``from_pretrained``) with the checks of this module
+    around it, then the files saved beside the weights: the tree shape (``generation_config.json``), the card and
+    ``training_recipe.json``. Returns the model, or ``(model, loading_info)`` with ``output_loading_info=True``."""
+    model, info = checked_from_pretrained(load, name, *args, **kwargs)
+    model.generation_config = load_tree_generation_config(name, model.config, kwargs)
+    load_hub_files(model, name, kwargs)
+    return (model, info) if kwargs.get("output_loading_info") else model

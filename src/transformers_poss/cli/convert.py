@@ -25,7 +25,7 @@ def convert_official(repo_id_or_folder: str, output_dir: str, target=None, posit
     """Convert an official checkpoint to this library's format (``save_pretrained`` folder); returns ``output_dir``.
 
     A non-empty ``output_dir`` (or the checkpoint's own folder) is refused unless ``overwrite``."""
-    from ..folders import check_output_folder, staged_folder
+    from ..checkpoints.folders import check_output_folder, staged_folder
     from ..modeling_poss import PosSDraftModel
 
     check_output_folder(output_dir, overwrite, source=repo_id_or_folder)
@@ -40,7 +40,7 @@ def run(args) -> int:
     from ..checks import require_local_path
     from .loaders import load_target
 
-    from ..folders import check_output_folder
+    from ..checkpoints.folders import check_output_folder
 
     require_local_path(args.source, "checkpoint folder")  # before the target loads
     check_output_folder(args.output, args.overwrite, source=args.source)

@@ -50,7 +50,7 @@ def add_arguments(parser) -> None:
 def check_arguments(args, draft: str) -> None:
     """Everything `poss demo` can check before loading a model."""
     from ..checks import require_local_path
-    from ..loading_checks import check_draft_source
+    from ..checkpoints.loading import check_draft_source
 
     if args.prompt is not None and not all(p.strip() for p in args.prompt):
         raise ValueError("--prompt is empty: give the prompt text.")

@@ -36,9 +36,9 @@ def run(args) -> int:
     import torch
 
     from ..checks import require_local_path
-    from ..export import ExportError, export_custom_generate, export_eagle
-    from ..export_eagle3 import export_eagle3
-    from ..folders import check_output_folder
+    from ..checkpoints.export import ExportError, export_custom_generate, export_eagle
+    from ..checkpoints.export_eagle3 import export_eagle3
+    from ..checkpoints.folders import check_output_folder
     from ..modeling_poss import PosSDraftModel
 
     require_local_path(args.draft, "draft folder")  # the output and the draft are checked before the draft loads

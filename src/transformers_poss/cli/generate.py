@@ -106,7 +106,7 @@ def read_prompt(argument: str | None, stdin=None) -> str:
 def check_arguments(args, text: str) -> None:
     """Everything `poss generate` can check before loading a model (numbers are checked by their argparse types)."""
     from ..checks import check_device, require_local_path
-    from ..loading_checks import check_draft_source
+    from ..checkpoints.loading import check_draft_source
 
     if not text.strip():
         where = "on stdin" if args.prompt is None else "given"

@@ -64,7 +64,7 @@ def _texts(args) -> list[str]:
 def check_arguments(args) -> None:
     """Everything `poss tune` can check before loading a model."""
     from ..checks import check_writable, require_local_path
-    from ..loading_checks import check_draft_source
+    from ..checkpoints.loading import check_draft_source
 
     _texts(args)
     require_local_path(args.target, "target folder")

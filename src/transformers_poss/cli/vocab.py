@@ -85,8 +85,8 @@ def _text(content, path, number: int) -> str:
 def check_arguments(args) -> None:
     """Everything `poss vocab` can check before loading the tokenizer and the draft."""
     from ..checks import positive_int, require_file, require_local_path
-    from ..folders import check_output_folder
-    from ..loading_checks import check_draft_folder
+    from ..checkpoints.folders import check_output_folder
+    from ..checkpoints.loading import check_draft_folder
 
     positive_int("--size", args.size)
     for path in args.corpus:
@@ -119,7 +119,7 @@ def run(args) -> int:
     counts = counts[: draft.config.vocab_size]
     token_map = build_token_map(counts, args.size, always_include=special_token_ids(tokenizer))
     set_token_map(draft, token_map)
-    from ..folders import staged_folder
+    from ..checkpoints.folders import staged_folder
 
     with staged_folder(args.output) as staging:  # the draft's own folder keeps its files until the new ones are whole
         draft.save_pretrained(staging)

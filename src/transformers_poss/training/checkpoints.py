@@ -43,7 +43,7 @@ def checkpoint_problem(folder: str) -> str | None:
     if not weights:
         return "no weights file"
     if weights[0].endswith(".safetensors"):
-        from ..loading_checks import safetensors_keys
+        from ..checkpoints.loading import safetensors_keys
 
         try:
             safetensors_keys(weights[0])

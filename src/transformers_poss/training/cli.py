@@ -264,7 +264,7 @@ def run(config: PosSTrainConfig) -> int:
     from accelerate import PartialState
     from transformers import set_seed
 
-    from ..embedded import load_target
+    from ..targets.embedded import load_target
 
     from .recipe_checks import check_draft_fits, check_recipe
 

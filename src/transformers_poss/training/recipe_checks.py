@@ -45,7 +45,7 @@ def _prompts_file(path: str) -> None:
 def _init_from(draft) -> None:
     """``init_from`` must be a saved draft; a ``draft_vocab_size`` that differs from its kept map is refused now,
     not after the data and feature stages."""
-    from ..loading_checks import check_draft_folder
+    from ..checkpoints.loading import check_draft_folder
 
     require_local_path(draft.init_from, "--init_from draft folder")
     if not os.path.isdir(draft.init_from):
