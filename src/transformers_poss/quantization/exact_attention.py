@@ -18,35 +18,57 @@ import torch
 EXACT_ATTENTION = "poss_exact"
 
 
+QUERY_CHUNK_BYTES = 64 * 2**20  # float64 scores of one chunk of queries stay below this (long prompts)
+
+
 def exact_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """`[B, Hq, q, d]` queries, `[B, Hkv, k, d]` keys/values, a bool or additive `[B, 1|Hq, q, k]` mask (or None
     for plain causal attention) -> `([B, q, Hq, d], None)`.
 
     Query heads sharing a key/value head are stacked (`[B, Hkv, G * q, d]`), so keys and values are not repeated.
+    Long prompts run in chunks of queries, so the float64 scores take at most ``QUERY_CHUNK_BYTES`` (each query's
+    result does not depend on the chunk it is in).
     """
     if kwargs.get("softcap") is not None:
         raise ValueError("attn_implementation='poss_exact' does not support attention logit soft-capping.")
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
-    groups = q_heads // kv_heads
-    q = query.double().reshape(batch, kv_heads, groups * q_len, head_dim)
     scale = scaling if scaling is not None else head_dim**-0.5
-    scores = torch.matmul(q, key.double().transpose(-1, -2)).mul_(scale).view(batch, kv_heads, groups, q_len, k_len)
-    lowest = torch.finfo(scores.dtype).min  # finite, so a fully masked (padding) row stays finite
-    if attention_mask is None:
-        if q_len > 1:  # causal, aligned to the end of the keys
-            rows = torch.arange(q_len, device=scores.device)[:, None] + (k_len - q_len)
-            scores = scores.masked_fill(torch.arange(k_len, device=scores.device)[None, :] > rows, lowest)
+    keys_t, values = key.double().transpose(-1, -2), value.double()
+    mask = None if attention_mask is None else attention_mask[..., :k_len]
+    chunk = max(1, QUERY_CHUNK_BYTES // (8 * batch * q_heads * k_len))
+    if q_len <= chunk:
+        out = _attend(query, keys_t, values, mask, scale, k_len - q_len)
     else:
-        mask = attention_mask[..., :k_len]
+        out = torch.cat([
+            _attend(query[:, :, i : i + chunk], keys_t, values, None if mask is None else mask[:, :, i : i + chunk],
+                    scale, k_len - q_len + i)
+            for i in range(0, q_len, chunk)
+        ], dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attend(query, keys_t, values, mask, scale: float, offset: int) -> torch.Tensor:
+    """Float64 attention of `[B, Hq, q, d]` queries whose first sits at key index ``offset`` (for the causal rule
+    when ``mask`` is None) -> `[B, Hq, q, d]` in the query's dtype."""
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads, k_len = keys_t.shape[1], keys_t.shape[3]
+    groups = q_heads // kv_heads
+    q = query.double().mul_(scale).reshape(batch, kv_heads, groups * q_len, head_dim)
+    scores = torch.matmul(q, keys_t).view(batch, kv_heads, groups, q_len, k_len)
+    lowest = torch.finfo(scores.dtype).min  # finite, so a fully masked (padding) row stays finite
+    if mask is None:
+        if q_len > 1 or offset < k_len - 1:  # causal, query i at key index offset + i
+            rows = torch.arange(q_len, device=scores.device)[:, None] + offset
+            scores.masked_fill_(torch.arange(k_len, device=scores.device)[None, :] > rows, lowest)
+    else:
         mask = mask.view(batch, kv_heads, groups, q_len, k_len) if mask.shape[1] == q_heads else mask[:, :, None]
         if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, lowest)
+            scores = torch.where(mask, scores, lowest)
         else:
-            scores = scores + mask.double()
+            scores = scores + mask
     weights = torch.softmax(scores, dim=-1).view(batch, kv_heads, groups * q_len, k_len)
-    out = torch.matmul(weights, value.double()).to(query.dtype).view(batch, q_heads, q_len, head_dim)
-    return out.transpose(1, 2).contiguous(), None
+    return torch.matmul(weights, values).to(query.dtype).view(batch, q_heads, q_len, head_dim)
 
 
 def register_exact_attention() -> None:

@@ -6,16 +6,14 @@ are quantized on the fly with one scale PER TOKEN (row) to integers in [-127, 12
 integer matrix multiply. A token's output therefore depends only on that token, not on the other tokens of the
 forward: verifying a tree of n tokens gives each token the same linear outputs as decoding it alone.
 
-The integer product runs on fbgemm's int8 GEMM (``torch.ops.quantized.linear_dynamic``, one weight read for all
-rows, so verifying 16 tokens costs little more than decoding one) when this torch build has it and a self-check at
-first use confirms it is exact. fbgemm takes 7-bit activations (``reduce_range``, which keeps AVX2's 16-bit pair
-sums from saturating) and quantizes its input with one scale for the whole matrix. So each row of integers is split
-as ``2 * high + low`` (high in [-64, 63], low in {0, 1}), the high and low rows go through ONE fbgemm call, and two
-constant rows (-64 and 63) fix its input scale to exactly 1 and its zero point to 64: the integers pass through
-unchanged, every integer product is exact (weights packed with scale 1), and ``2 * high + low`` is summed in float
-afterwards, which rounds exactly as a cast of the int32 product does. The per-channel and per-token scales are then
-applied in the same order on either kernel. Elsewhere the same steps run on ``torch._int_mm``, slower on CPUs without int8 dot-product
-instructions but with the same result.
+The integer product runs on the fastest exact kernel for each matrix shape and number of rows, timed on this
+machine at first use (``torch._int_mm``, fbgemm's 8-bit or 7-bit GEMM: see `int8_kernels`); every kernel gives the
+same int32 product, so the choice never changes a bit. Sibling projections that read the same input (q/k/v,
+gate/up) share one quantization and one product ([`FusedProjections`]), with outputs bit-identical to computing them
+one by one. The per-channel and per-token scales are applied in the same order on every kernel.
+
+A model quantized here is refused by ``save_pretrained`` (its int8 weights would not load back): save the float
+model, load it, and quantize again.
 
 A float attention kernel still changes its summation order with the number of queries (~1e-7 differences), and
 int8 rounding of the next layer's activations can magnify that into a different token; [`quantize_int8`] therefore
@@ -30,112 +28,42 @@ quantizing only the DRAFT that way is fine, because the draft only proposes.
 
 from __future__ import annotations
 
-import functools
 import logging
-import threading
-import warnings
+import types
 
 import torch
 from torch import nn
 
+from .int8_kernels import (
+    ACTIVATION_LEVELS,
+    KernelState,
+    QuantizedRows,
+    available_kernels,
+    choose_kernel,
+    fbgemm_available,
+    quantize_input,
+)
+
 logger = logging.getLogger(__name__)
 
 QUANTIZE_CHOICES = ("none", "int8")
-ACTIVATION_LEVELS = 127  # per-token activations are rounded to integers in [-127, 127]
+KERNEL_VERSION = 2  # part of the cost-profile key: bump when the int8 forward's cost changes
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"))
+
+__all__ = ["ACTIVATION_LEVELS", "Int8Linear", "QuantizedRows", "fbgemm_available", "quantize_int8"]
 
 
-# ---------------------------------------------------------------------------------------------------- kernels
-class QuantizedRows:
-    """A `[M, K]` input rounded per row to integers in [-127, 127] (``integers``, float; ``scale`` `[M, 1]`), and
-    its split ``integers = 2 * high + low`` (high in [-64, 63], low in {0, 1}), both 7-bit, stacked under the two pad
-    rows in ``padded`` `[2 + 2M, K]` for fbgemm (see the module docstring)."""
-
-    def __init__(self, rows: torch.Tensor):
-        self.scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / ACTIVATION_LEVELS
-        self.integers = torch.round(rows / self.scale).clamp(-ACTIVATION_LEVELS, ACTIVATION_LEVELS)
-
-    @functools.cached_property
-    def padded(self) -> torch.Tensor:
-        """Built only for fbgemm (the ``torch._int_mm`` path reads ``integers``), once for all projections."""
-        high = torch.floor(self.integers * 0.5)
-        return torch.cat([_pads(self.integers.shape[1]), high, self.integers - 2 * high])
-
-
-_last_input = threading.local()
-
-
-def quantize_input(hidden: torch.Tensor, in_features: int) -> QuantizedRows:
-    """[`QuantizedRows`] of `[..., in]` ``hidden``; the q/k/v (and gate/up) projections read one tensor, so the last
-    result is reused while that very tensor, unmodified, comes again (a reference is held, so identity is safe)."""
-    cached = getattr(_last_input, "entry", None)
-    if cached is not None and cached[0] is hidden and cached[1] == hidden._version:
-        return cached[2]
-    rows = QuantizedRows(hidden.reshape(-1, in_features).float())
-    _last_input.entry = (hidden, hidden._version, rows)
-    return rows
-
-
-def _pack_fbgemm(weight_int8: torch.Tensor):
-    """fbgemm's packed form of `[out, in]` int8 weights, with scale 1 (the per-channel scales are applied after)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch marks its quantized tensor API as deprecated
-        qweight = torch._make_per_tensor_quantized_tensor(weight_int8.contiguous(), 1.0, 0)
-        return torch.ops.quantized.linear_prepack(qweight, None)
-
-
-def _fbgemm_product(rows: QuantizedRows, packed) -> torch.Tensor:
-    """The integer product `integers @ W_int^T` `[M, out]` as float on fbgemm: ``2 * high + low``, each part exact
-    (|high products| < 2^24 while in_features < 2064), summed in one rounding like a cast of the int32 result."""
-    products = torch.ops.quantized.linear_dynamic(rows.padded, packed, True)
-    high, low = products[2:].chunk(2)
-    return 2 * high + low
-
-
-def _int_mm_product(rows: QuantizedRows, weight_int8_t: torch.Tensor) -> torch.Tensor:
-    """The integer product on ``torch._int_mm`` (int8 x int8 -> int32), cast to float."""
-    return torch._int_mm(rows.integers.to(torch.int8), weight_int8_t).float()
-
-
-@functools.lru_cache(maxsize=None)
-def _pads(in_features: int) -> torch.Tensor:
-    pads = torch.zeros(2, in_features)
-    pads[0, 0], pads[1, 0] = -64.0, 63.0
-    return pads
-
-
-@functools.lru_cache(maxsize=1)
-def fbgemm_available() -> bool:
-    """Whether fbgemm's int8 GEMM is present and, on random data, gives exactly the ``torch._int_mm`` result (and
-    the exact integer product) for one row and for many; checked once per process, else ``torch._int_mm`` is used."""
-    if not hasattr(torch.ops.quantized, "linear_dynamic") or "fbgemm" not in torch.backends.quantized.supported_engines:
-        return False
-    generator = torch.Generator().manual_seed(0)
-    try:
-        for in_features, out_features in ((96, 40), (1100, 24)):
-            weight = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
-            rows = QuantizedRows(torch.randn(17, in_features, generator=generator) * 3)
-            packed = _pack_fbgemm(weight)
-            many = _fbgemm_product(rows, packed)
-            reference = _int_mm_product(rows, weight.t().contiguous())
-            exact = rows.integers.double() @ weight.double().t()
-            one = torch.stack([
-                2 * products[0] + products[1]
-                for i in range(17)
-                for products in [torch.ops.quantized.linear_dynamic(rows.padded[[0, 1, 2 + i, 19 + i]], packed, True)[2:]]
-            ])
-            if not (torch.equal(many, one) and torch.equal(many, reference)):
-                return False
-            if not torch.equal(many.double(), exact):
-                return False
-    except (RuntimeError, NotImplementedError) as error:  # a build without the quantized CPU kernels
-        logger.info("fbgemm int8 GEMM unavailable (%s); using torch._int_mm", error)
-        return False
-    return True
+def _scaled(product: torch.Tensor, rows: QuantizedRows, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+    """`[M, out]` integer product (int32, or float holding integers) -> float32 ``product * row scale * channel scale
+    (+ bias)``, in that order on every kernel, elementwise (so a row's result never depends on the others)."""
+    out = torch.mul(product, rows.scale)
+    out.mul_(weight_scale)
+    if bias is not None:
+        out.add_(bias)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- module
-
-
 class Int8Linear(nn.Module):
     """``y = x W^T + b`` with int8 ``W`` (per output channel scales) and per-token int8 activations.
 
@@ -176,32 +104,106 @@ class Int8Linear(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[..., in]` -> `[..., out]` in the input's dtype; rows never influence each other."""
-        shape, dtype = hidden.shape, hidden.dtype
-        rows = quantize_input(hidden, self.in_features)
-        if self.weight_int8_t.device.type == "cpu" and fbgemm_available():
-            out = _fbgemm_product(rows, self._packed())
+        fused = self.__dict__.get("_fused")
+        if fused is not None and fused.is_current():
+            out = fused.output(self, hidden)
         else:
-            out = _int_mm_product(rows, self.weight_int8_t)
-        out = out * rows.scale * self.weight_scale
-        if self.bias is not None:
-            out = out + self.bias
-        return out.to(dtype).reshape(*shape[:-1], self.out_features)
+            rows = quantize_input(hidden, self.in_features)
+            if self.weight_int8_t.device.type == "cpu":
+                state = self._kernel_state()
+                product = state.product(rows, choose_kernel(state, rows.num_rows))
+            else:
+                product = torch._int_mm(rows.int8, self.weight_int8_t.contiguous())
+            out = _scaled(product, rows, self.weight_scale, self.bias)
+        if out.dtype != hidden.dtype:
+            out = out.to(hidden.dtype)
+        return out.reshape(*hidden.shape[:-1], self.out_features)
 
-    def _packed(self):
-        """fbgemm's packed weight, built at first use (not saved; rebuilt when the weight buffer is replaced)."""
-        state = self.__dict__.get("_fbgemm")
-        if state is None or state[0] is not self.weight_int8_t:
-            state = (self.weight_int8_t, _pack_fbgemm(self.weight_int8_t.t()))
-            self.__dict__["_fbgemm"] = state
-        return state[1]
+    def _kernel_state(self) -> KernelState:
+        """The kernels' view of the weight, built at first use (not saved; rebuilt when the buffer is replaced)."""
+        weight = self.weight_int8_t
+        state = self.__dict__.get("_kernel")
+        if state is None or state.source is not weight or state.version != weight._version:
+            state = KernelState(weight.contiguous())
+            state.source, state.version = weight, weight._version
+            self.__dict__["_kernel"] = state
+        return state
 
-    def __getstate__(self):  # copies and pickles rebuild the packed weight instead of carrying it
+    def __getstate__(self):  # copies and pickles rebuild the kernel state (and run unfused) instead of carrying it
         state = self.__dict__.copy()
-        state.pop("_fbgemm", None)
+        state.pop("_kernel", None)
+        state.pop("_fused", None)
         return state
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class FusedProjections:
+    """Sibling [`Int8Linear`]s that read the same input (q/k/v, gate/up): ONE integer product for all of them.
+
+    The members' weight buffers become views into one `[in, sum(out)]` int8 matrix (no second copy). The first
+    member called with an input computes every member's output; the others return their slice while the very same
+    input tensor comes again unmodified, and compute the whole product again otherwise (correct, only slower).
+    Each output is bit-identical to the member's own product: the integer product of a channel does not depend on
+    the other channels, and the scales are applied elementwise.
+    """
+
+    def __init__(self, members: list[Int8Linear]):
+        self.members = members
+        weight = torch.cat([m.weight_int8_t for m in members], dim=1).contiguous()
+        scale = torch.cat([m.weight_scale for m in members])
+        with_bias = all(m.bias is not None for m in members)
+        bias = torch.cat([m.bias for m in members]) if with_bias else None
+        self.spans, start = {}, 0
+        for member in members:  # registered buffers stay registered when assigned: they become views of the whole
+            stop = start + member.out_features
+            member.weight_int8_t, member.weight_scale = weight[:, start:stop], scale[start:stop]
+            if with_bias:
+                member.bias = bias[start:stop]
+            self.spans[id(member)] = (start, stop)
+            member.__dict__["_fused"] = self
+            start = stop
+        self.views = [(m.weight_int8_t, m.weight_scale, m.bias) for m in members]
+        self.weight, self.weight_scale, self.bias = weight, scale, bias
+        self.state, self.version = KernelState(weight), self._versions()
+        self._last = None
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(t._version for t in (self.weight, self.weight_scale, self.bias) if t is not None)
+
+    def is_current(self) -> bool:
+        """False once a member's buffers were replaced (``.to()``, ``load_state_dict``): members then run alone."""
+        return all(m.weight_int8_t is w and m.weight_scale is c and m.bias is b
+                   for m, (w, c, b) in zip(self.members, self.views))
+
+    def output(self, member: Int8Linear, hidden: torch.Tensor) -> torch.Tensor:
+        """``member``'s `[M, out]` float output for `[..., in]` ``hidden``."""
+        if self.version != self._versions():  # loaded in place (the views share their whole's version counter)
+            self.state, self.version, self._last = KernelState(self.weight), self._versions(), None
+        version = None if hidden.is_inference() else hidden._version
+        last = self._last
+        if last is None or last[0] is not hidden or last[1] != version:
+            rows = quantize_input(hidden, self.state.weight_int8_t.shape[0])
+            product = self.state.product(rows, choose_kernel(self.state, rows.num_rows))
+            last = self._last = (hidden, version, _scaled(product, rows, self.weight_scale, self.bias))
+        start, stop = self.spans[id(member)]
+        return last[2][:, start:stop]
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Group the [`Int8Linear`] siblings of ``model`` named in ``FUSED_GROUPS`` (same input size, all present) into
+    [`FusedProjections`]; returns the number of groups."""
+    groups = 0
+    for parent in model.modules():
+        for names in FUSED_GROUPS:
+            members = [getattr(parent, name, None) for name in names]
+            if all(isinstance(m, Int8Linear) for m in members) and len({m.in_features for m in members}) == 1 \
+                    and len({m.bias is None for m in members}) == 1:
+                if len({m.weight_int8_t.device for m in members}) == 1 and members[0].weight_int8_t.device.type == "cpu":
+                    FusedProjections(members)
+                    groups += 1
+    return groups
 
 
 def linear_weight(module: nn.Module) -> torch.Tensor:
@@ -272,7 +274,10 @@ def quantize_int8(model: nn.Module, include_lm_head: bool = True, exact_attentio
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and (include_lm_head or child is not head):
                 setattr(parent, name, Int8Linear.from_linear(child))
-    model._poss_quantized = "int8/fbgemm" if fbgemm_available() else "int8/int_mm"  # the kernel keys cost profiles
+    fuse_projections(model)
+    # the kernels available here key cost profiles (the per-shape choice is timed at first use)
+    model._poss_quantized = f"int8/v{KERNEL_VERSION}/" + "+".join(available_kernels())
+    model.save_pretrained = types.MethodType(_refuse_save, model)
     config = getattr(model, "config", None)
     if exact_attention is None:
         exact_attention = config is not None and getattr(config, "model_type", None) != "poss_draft"
@@ -281,6 +286,13 @@ def quantize_int8(model: nn.Module, include_lm_head: bool = True, exact_attentio
 
         use_exact_attention(model)
     return model
+
+
+def _refuse_save(model, *args, **kwargs):
+    raise ValueError(
+        f"this {type(model).__name__} was quantized in place by quantize_int8: its int8 weights would not load back "
+        "with from_pretrained. Save the float model before quantizing, and call quantize_int8 again after loading."
+    )
 
 
 def apply_quantization(model: nn.Module, mode: str | None) -> nn.Module:

@@ -1,0 +1,99 @@
+"""The int8 kernels agree bit for bit, fused projections equal their members, and the int8 path's edges."""
+
+import copy
+
+import pytest
+import torch
+
+import transformers_poss.quantization.exact_attention as exact_attention
+import transformers_poss.quantization.int8_kernels as kernels
+from transformers_poss import Int8Linear, quantize_int8
+from transformers_poss.quantization.int8 import FusedProjections
+from tree_testing import tiny_llama_target
+
+
+def _rows(m, k, seed=0):
+    return kernels.QuantizedRows(torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 4)
+
+
+@pytest.mark.parametrize("shape", [(96, 40), (576, 160), (1100, 24)])
+def test_every_available_kernel_gives_the_exact_integer_product(shape):
+    in_features, out_features = shape
+    weight = torch.randint(-127, 128, (out_features, in_features), generator=torch.Generator().manual_seed(3),
+                           dtype=torch.int8)
+    state = kernels.KernelState(weight.t().contiguous())
+    for m in (1, 5, 17):
+        rows = _rows(m, in_features, seed=m)
+        exact = rows.integers.double() @ weight.double().t()
+        for kernel in kernels.available_kernels():
+            assert torch.equal(state.product(rows, kernel).double(), exact), (kernel, m)
+
+
+def test_a_forced_kernel_is_used_and_a_wrong_name_is_refused(monkeypatch):
+    monkeypatch.setenv(kernels.KERNEL_ENV, "int_mm")
+    assert kernels.available_kernels() == ("int_mm",)
+    monkeypatch.setenv(kernels.KERNEL_ENV, "fastest")
+    with pytest.raises(ValueError, match="POSS_INT8_KERNEL='fastest'"):
+        kernels.available_kernels()
+
+
+def test_kernel_choice_does_not_change_a_bit(monkeypatch):
+    """Outputs of an Int8Linear are the same whichever kernel each shape and row count gets."""
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.randn(48, 64))
+    x = torch.randn(7, 64)
+    results = []
+    for kernel in kernels.available_kernels():
+        monkeypatch.setattr(kernels, "_choices", {})
+        monkeypatch.setenv(kernels.KERNEL_ENV, kernel)
+        results.append(layer(x))
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def test_fused_projections_equal_their_members_and_follow_weight_changes():
+    target = tiny_llama_target()
+    reference = copy.deepcopy(target)
+    quantize_int8(target)
+    attention = target.model.layers[0].self_attn
+    assert isinstance(attention.q_proj.__dict__.get("_fused"), FusedProjections)
+    x = torch.randn(2, 5, attention.q_proj.in_features)
+    fused = [attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)]
+    alone = [Int8Linear.from_linear(getattr(reference.model.layers[0].self_attn, n))(x) for n in ("q_proj", "k_proj", "v_proj")]
+    assert all(torch.equal(a, b) for a, b in zip(fused, alone))
+    # a member called with another tensor recomputes; loading weights in place reaches the fused matrix
+    y = torch.randn(1, 3, attention.q_proj.in_features)
+    assert torch.equal(attention.k_proj(y), alone_k := Int8Linear.from_linear(reference.model.layers[0].self_attn.k_proj)(y))
+    state = {k: torch.zeros_like(v) for k, v in attention.k_proj.state_dict().items()}
+    attention.k_proj.load_state_dict(state)
+    assert attention.k_proj(y).abs().max() == 0 and not torch.equal(alone_k, attention.k_proj(y))
+    assert torch.equal(attention.q_proj(y), Int8Linear.from_linear(reference.model.layers[0].self_attn.q_proj)(y))
+
+
+def test_int8_model_runs_under_inference_mode():
+    target = quantize_int8(tiny_llama_target())
+    ids = torch.randint(3, 90, (1, 9))
+    with torch.no_grad():
+        expected = target(ids).logits
+    with torch.inference_mode():
+        got = target(ids).logits
+        generated = target.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(expected, got) and generated.shape[1] == 13
+
+
+def test_saving_an_int8_model_is_refused_with_advice(tmp_path):
+    target = quantize_int8(tiny_llama_target())
+    with pytest.raises(ValueError, match="quantized in place by quantize_int8.*Save the float model before"):
+        target.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_long_prompts_attend_in_chunks_with_the_same_bits(monkeypatch):
+    """Prefill memory is bounded: queries run in chunks, and each query's result does not change."""
+    torch.manual_seed(0)
+    query, key, value = torch.randn(1, 4, 40, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    whole = exact_attention.exact_attention_forward(None, query, key, value, None)[0]
+    monkeypatch.setattr(exact_attention, "QUERY_CHUNK_BYTES", 8 * 4 * 40 * 7)  # chunks of 7 queries
+    chunked = exact_attention.exact_attention_forward(None, query, key, value, None)[0]
+    assert torch.equal(whole, chunked)
+    causal = torch.ones(40, 40, dtype=torch.bool).tril()[None, None]
+    assert torch.equal(exact_attention.exact_attention_forward(None, query, key, value, causal)[0], whole)
