@@ -137,6 +137,14 @@ def chain_costs(profile, draft):
                                meta={**profile.meta, "top_k": 1})
 
 
+def round_cost_line(profile, depth: int, top_k: int, total: int) -> str:
+    """One round (drafting ``depth`` levels, verifying ``total`` nodes) against one decode step, from ``profile``."""
+    step, draft, verify = profile.verify(1), profile.draft(depth), profile.verify(total)
+    return (f"one round (depth {depth}, top-k {top_k}, {total} nodes) = drafting {draft * 1000:.1f} ms + verifying "
+            f"{verify * 1000:.1f} ms = {(draft + verify) / step:.2f}x a decode step (verification alone "
+            f"{verify / step:.2f}x); it pays from an acceptance length of {(draft + verify) / step:.2f}")
+
+
 def run(args) -> int:
     import transformers_poss  # noqa: F401
 
@@ -155,6 +163,7 @@ def run(args) -> int:
     print("verification cost t(n)/t(1): " + ", ".join(f"{n}: {r:.2f}" for n, r in profile.curve().items()))
     print(f"t(1) = {profile.verify(1) * 1000:.1f} ms; draft context step {profile.draft_context_seconds * 1000:.1f} ms,"
           f" further step {profile.draft_step_seconds * 1000:.1f} ms")
+    print(round_cost_line(profile, draft.generation_config.tree_depth, top_k, 16))
 
     # warm-up, then record with the largest shape considered
     ids, mask = prompts[0]
@@ -184,6 +193,8 @@ def run(args) -> int:
               "use plain generate, or tree_total_tokens='auto', which falls back to plain decoding by itself.")
     measured, tau = measure(target, draft, prompts, args.max_new_tokens, best)
     report["measured"] = {"speedup": measured, "mean_acceptance_length": tau}
+    print(round_cost_line(profile if best["kind"] == "tree" else chain_profile, best["depth"], best["top_k"],
+                          best["total_tokens"]))
     print(f"\nchosen: {best['kind']}, depth {best['depth']}, top-k {best['top_k']}, {best['total_tokens']} nodes -> "
           f"predicted {best['predicted_speedup']:.2f}x (acceptance length {best['mean_acceptance_length']:.2f}), "
           f"measured {measured:.2f}x (acceptance length {tau:.2f})")
