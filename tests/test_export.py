@@ -123,7 +123,7 @@ def test_multi_specialist_draft_is_refused_for_the_eagle_format(tmp_path):
     assert not (tmp_path / "model.safetensors").exists()
     # the command line says so and exits non-zero
     draft.save_pretrained(tmp_path / "poss")
-    assert main(["export", str(tmp_path / "poss"), str(tmp_path / "out")]) == 2
+    assert main(["export", str(tmp_path / "poss"), "--output", str(tmp_path / "out")]) == 2
 
 
 def test_reduced_vocabulary_drafts(tmp_path):
@@ -172,11 +172,11 @@ def test_scaled_embedding_targets_are_refused(tmp_path):
 def test_eagle_export_from_the_command_line(tmp_path):
     target, draft = _target_and_draft()
     draft.save_pretrained(tmp_path / "draft")
-    assert main(["export", str(tmp_path / "draft"), str(tmp_path / "eagle"), "--format", "eagle",
+    assert main(["export", str(tmp_path / "draft"), "--output", str(tmp_path / "eagle"), "--format", "eagle",
                  "--dtype", "bfloat16"]) == 0
     state = load_file(tmp_path / "eagle" / "model.safetensors")
     assert state["fc.weight"].dtype == torch.bfloat16
-    assert main(["export", str(tmp_path / "draft"), str(tmp_path / "sglang"), "--engine", "sglang"]) == 0
+    assert main(["export", str(tmp_path / "draft"), "--output", str(tmp_path / "sglang"), "--engine", "sglang"]) == 0
     config = json.loads((tmp_path / "sglang" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle"]  # SGLang's class for EAGLE drafts
     assert set(load_file(tmp_path / "sglang" / "model.safetensors")) == set(state)

@@ -32,7 +32,7 @@ def test_eagle_format_refuses_feature_and_eagle3_drafts(tmp_path, variant, messa
         export_eagle(draft, tmp_path / "out")
     assert not (tmp_path / "out" / "model.safetensors").exists()
     draft.save_pretrained(tmp_path / "draft")
-    assert main(["export", str(tmp_path / "draft"), str(tmp_path / "cli")]) == 2
+    assert main(["export", str(tmp_path / "draft"), "--output", str(tmp_path / "cli")]) == 2
 
 
 @pytest.mark.parametrize("draft_vocab_size", [None, 24])
@@ -81,7 +81,7 @@ def test_eagle3_export_refuses_what_the_layout_cannot_hold(tmp_path, kwargs, mes
 def test_eagle3_export_from_the_command_line(tmp_path):
     _, draft = _draft()
     draft.save_pretrained(tmp_path / "draft")
-    assert main(["export", str(tmp_path / "draft"), str(tmp_path / "e3"), "--format", "eagle3",
+    assert main(["export", str(tmp_path / "draft"), "--output", str(tmp_path / "e3"), "--format", "eagle3",
                  "--dtype", "bfloat16"]) == 0  # fmt: skip
     assert load_file(tmp_path / "e3" / "model.safetensors")["fc.weight"].dtype == torch.bfloat16
     assert json.loads((tmp_path / "e3" / "config.json").read_text())["torch_dtype"] == "bfloat16"

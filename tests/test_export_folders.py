@@ -34,7 +34,7 @@ def test_export_into_a_target_folder_is_refused_and_changes_nothing(tmp_path, ca
     save_tiny_target(tmp_path / "target", target)
     draft.save_pretrained(tmp_path / "draft")
     before = _files(tmp_path / "target")
-    assert main(["export", str(tmp_path / "draft"), str(tmp_path / "target"), "--format", fmt]) == 2
+    assert main(["export", str(tmp_path / "draft"), "--output", str(tmp_path / "target"), "--format", fmt]) == 2
     err = capsys.readouterr().err
     assert "is not empty" in err and "--overwrite" in err and "Traceback" not in err
     assert _files(tmp_path / "target") == before
@@ -61,7 +61,7 @@ def test_export_into_the_drafts_own_folder(tmp_path, capsys, fmt):
     _, draft = _pair()
     draft.save_pretrained(tmp_path / "draft")
     before = _files(tmp_path / "draft")
-    argv = ["export", str(tmp_path / "draft"), str(tmp_path / "draft"), "--format", fmt]
+    argv = ["export", str(tmp_path / "draft"), "--output", str(tmp_path / "draft"), "--format", fmt]
     assert main(argv) == 2  # not empty
     assert _files(tmp_path / "draft") == before
     if fmt == "eagle":  # would replace the draft by another format: refused even with --overwrite
@@ -132,7 +132,7 @@ def test_eagle_round_trip_keeps_token_map_and_tree_settings(tmp_path, caplog):
     draft.generation_config.tree_total_tokens = 12
     export_eagle(draft, tmp_path / "eagle")
     assert (tmp_path / "eagle" / EAGLE_TOKEN_MAP_FILE).exists()
-    assert main(["convert", str(tmp_path / "eagle"), str(tmp_path / "back")]) == 0
+    assert main(["convert", str(tmp_path / "eagle"), "--output", str(tmp_path / "back")]) == 0
     back = PosSDraftModel.from_pretrained(tmp_path / "back")
     assert back.config.draft_vocab_size == 16 and back.draft_to_target.tolist() == list(range(100, 116))
     assert back.config.positions_per_specialist == 3
@@ -162,7 +162,7 @@ def test_convert_refuses_a_non_empty_output(tmp_path, capsys):
     export_eagle(draft, tmp_path / "eagle")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("x")
-    assert main(["convert", str(tmp_path / "eagle"), str(tmp_path / "out")]) == 2
+    assert main(["convert", str(tmp_path / "eagle"), "--output", str(tmp_path / "out")]) == 2
     assert "is not empty" in capsys.readouterr().err
-    assert main(["convert", str(tmp_path / "eagle"), str(tmp_path / "out"), "--overwrite"]) == 0
+    assert main(["convert", str(tmp_path / "eagle"), "--output", str(tmp_path / "out"), "--overwrite"]) == 0
     assert (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "model.safetensors").exists()

@@ -200,6 +200,6 @@ def test_poss_convert_reports_the_feature_layers(tmp_path, capsys):
     target.save_pretrained(tmp_path / "target")
     tiny_tokenizer().save_pretrained(tmp_path / "target")
     source = _write(tmp_path / "e3", _eagle3_state(target))
-    assert main(["convert", source, str(tmp_path / "out"), "--target", str(tmp_path / "target")]) == 0
+    assert main(["convert", source, "--output", str(tmp_path / "out"), "--target", str(tmp_path / "target")]) == 0
     assert "eagle3-style draft reading the target's feature layers [2, 4, 5]" in capsys.readouterr().out
     assert PosSDraftModel.from_pretrained(tmp_path / "out").config.feature_layers == DEFAULT_AUX

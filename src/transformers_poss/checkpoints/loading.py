@@ -29,7 +29,7 @@ REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_a
 _LAYER = re.compile(r"^(?:[a-z_]+\.)?layers\.(\d+)\.")
 _OFFICIAL_HINT = (
     "load it with PosSDraftModel.from_official(path, target=target) (or convert it once with "
-    "`poss convert PATH OUTPUT --target TARGET`)"
+    "`poss convert PATH --target TARGET --output FOLDER`)"
 )
 
 

@@ -2,7 +2,9 @@
 
 Each subcommand lives in its own module, imported only when that subcommand runs. A module provides
 ``add_arguments(parser)`` and ``run(args) -> int`` (the exit status), or ``main(argv) -> int`` when it parses its
-own arguments; adding a subcommand is one entry in `COMMANDS`. Subcommands print their results on stdout; the
+own arguments; adding a subcommand is one entry in `COMMANDS` and one in `EXAMPLES`. The conventions every command
+follows live in `errors.ShortErrorParser`: kebab-case or snake_case flags, files written where ``--output`` says,
+a ``--help`` that ends with one example (`epilog`). Subcommands print their results on stdout; the
 library's log messages go to stderr as ``[poss COMMAND] message`` (`errors.log_to_stderr`).
 """
 
@@ -28,6 +30,26 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("transformers_poss.training.cli", "train a PosS / EAGLE-2 / HASS draft for a target"),
     "export": ("transformers_poss.cli.export", "a draft as an EAGLE checkpoint (vLLM / SGLang) or a custom_generate folder"),
 }
+
+# name -> the one example line that ends the command's --help (README shows the same conventions)
+EXAMPLES: dict[str, str] = {
+    "demo": "poss demo --max-new-tokens 64 --quantize none",
+    "generate": 'poss generate --draft drafts/poss-smollm2-135m-instruct "Name three rivers in Europe."',
+    "bench": "poss bench --draft drafts/poss-smollm2-135m-instruct --num-prompts 8 --output bench.json",
+    "convert": "poss convert HINT-lab/PosS2-Llama3-8B-Instruct --target meta-llama/Meta-Llama-3-8B-Instruct "
+               "--output poss2-llama3",
+    "tune": "poss tune --draft drafts/poss-smollm2-135m-instruct --output tune.json",
+    "vocab": "poss vocab drafts/poss-smollm2-135m-instruct --target smollm2-135m-instruct --corpus data.jsonl "
+             "--size 8192 --output poss-8k",
+    "train": "poss train --config recipe.yaml --max-steps 200 --output runs/poss2",
+    "export": "poss export drafts/eagle2-smollm2-135m-instruct --format eagle --engine vllm --output out/eagle2-vllm",
+}
+
+
+def epilog(command: str) -> str:
+    """The last lines of a command's ``--help``: the flag conventions, then one example."""
+    return ("flags: kebab-case or snake_case (--max-new-tokens = --max_new_tokens); files are written where --output "
+            f"says\nexample: {EXAMPLES[command]}")
 
 
 def _chosen(argv: list[str]) -> str | None:
@@ -84,7 +106,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = _chosen(argv)
     for name, (module, summary) in COMMANDS.items():
-        sub = subparsers.add_parser(name, help=summary, description=summary)
+        sub = subparsers.add_parser(name, help=summary, description=summary, epilog=epilog(name))
         if name == chosen:
             importlib.import_module(module).add_arguments(sub)
     return parser

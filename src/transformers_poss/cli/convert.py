@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 
-from .errors import positive_int
+from .errors import add_output_argument, output_argument, positive_int
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("source", help="Hub id or folder of the official checkpoint (config.json + weights); an "
                         "EAGLE-3 checkpoint (midlayer.*) becomes an eagle3-style draft reading the target layers of "
                         "its eagle_aux_hidden_state_layer_ids (default [2, L // 2, L - 3], which needs --target)")
-    parser.add_argument("output", help="folder to write (save_pretrained layout, safetensors; new or empty, see "
-                        "--overwrite)")
+    add_output_argument(parser, "folder to write (save_pretrained layout, safetensors; new or empty, see --overwrite)")
     parser.add_argument("--overwrite", action="store_true",
                         help="write into a non-empty folder: replace the draft's files, keep the others")
     parser.add_argument("--target", default=None, help="embedded name, Hub id or folder of the target (recommended: "
@@ -42,6 +41,7 @@ def run(args) -> int:
 
     from ..checkpoints.folders import check_output_folder
 
+    output_argument(args, "convert")
     require_local_path(args.source, "checkpoint folder")  # before the target loads
     check_output_folder(args.output, args.overwrite, source=args.source)
     if args.target:

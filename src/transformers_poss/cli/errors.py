@@ -17,10 +17,58 @@ EXIT_USER_ERROR = 2
 
 
 class ShortErrorParser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are two lines (the error, then where the help is), not the full usage."""
+    """The parser of every `poss` command, with the command-line conventions in one place:
+
+    - usage errors are two lines (the error, then where the help is), not the full usage;
+    - every flag is accepted in kebab-case and in snake_case (``--max-new-tokens`` / ``--max_new_tokens``), as
+      `poss train` (transformers' `HfArgumentParser`) accepts both: options are defined in kebab-case and a
+      snake_case spelling on the command line is read as its kebab-case twin;
+    - the help ends with the ``epilog`` (one example line), printed as written.
+    """
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message}\n(see `{self.prog} --help`)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args([self._kebab(arg) for arg in args], namespace)
+
+    def _kebab(self, arg: str) -> str:
+        """``--snake_case[=value]`` as ``--snake-case[=value]`` when only the kebab-case option exists here."""
+        if not arg.startswith("--") or "_" not in arg.partition("=")[0]:
+            return arg
+        name, sep, value = arg.partition("=")
+        kebab = name.replace("_", "-")
+        known = self._option_string_actions
+        return f"{kebab}{sep}{value}" if name not in known and kebab in known else arg
+
+
+def add_output_argument(parser, help: str, required: bool = False) -> None:
+    """``--output`` (where the command writes) and, for the commands that took it positionally, the old positional
+    spelling, still read (deprecated: `output_argument` warns) and hidden from the help."""
+    parser.add_argument("--output", default=None, required=required, help=help)
+    if not required:
+        parser.add_argument("positional_output", nargs="?", default=None, help=argparse.SUPPRESS)
+
+
+def output_argument(args, command: str) -> str:
+    """The folder or file ``args`` says to write: ``--output``, else the deprecated positional one (with a warning)."""
+    positional = getattr(args, "positional_output", None)
+    if positional is not None:
+        if args.output is not None and args.output != positional:
+            raise ValueError(f"two outputs given ({positional} and --output {args.output}); give only --output.")
+        import warnings
+
+        warnings.warn(f"`poss {command} ... {positional}` (a positional output) is deprecated and will be removed; "
+                      f"write `--output {positional}`.", FutureWarning, stacklevel=2)
+        args.output = positional
+    if args.output is None:
+        raise ValueError(f"no output given: `poss {command}` writes where --output says (--output FOLDER).")
+    return args.output
 
 
 def debug_requested(debug: bool = False) -> bool:

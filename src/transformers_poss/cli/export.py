@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import sys
 
+from .errors import add_output_argument, output_argument
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("draft", help="folder or Hub id of the draft (save_pretrained layout)")
-    parser.add_argument("output", help="folder to write (new or empty; see --overwrite)")
+    add_output_argument(parser, "folder to write (new or empty; see --overwrite)")
     parser.add_argument("--overwrite", action="store_true",
                         help="write into a non-empty folder: replace the files this export writes, keep the others "
                              "(never the draft's own folder, except for custom_generate)")
@@ -41,6 +43,7 @@ def run(args) -> int:
     from ..checkpoints.folders import check_output_folder
     from ..modeling_poss import PosSDraftModel
 
+    output_argument(args, "export")
     require_local_path(args.draft, "draft folder")  # the output and the draft are checked before the draft loads
     check_output_folder(args.output, args.overwrite, source=args.draft, allow_source=args.format == "custom_generate")
     draft = PosSDraftModel.from_pretrained(args.draft)

@@ -19,6 +19,7 @@ key is an error, and ``poss train --help`` lists every field with its default.
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import enum
 import json
@@ -253,8 +254,16 @@ def _null_list_flags(tokens: list[str]) -> set[str]:
 def build_parser():
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser(_TYPES, prog="poss train", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    from ..cli import epilog
+
+    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        """Defaults shown (as HfArgumentParser does); the closing example printed as written."""
+
+    parser = HfArgumentParser(_TYPES, prog="poss train", description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                              epilog=epilog("train"), formatter_class=Formatter)
     parser.add_argument("--config", default=None, help="YAML or JSON recipe with the fields below (flat or by section)")
+    parser.add_argument("--output", dest="output_dir", default=argparse.SUPPRESS,
+                        help="the same as --output_dir (every poss command writes where --output says)")
 
     def error(message):  # one line instead of argparse's page-long usage
         raise SystemExit(f"poss train: {message} (`poss train --help` lists every option)")
@@ -289,6 +298,7 @@ def parse_train_args(argv: list[str]) -> PosSTrainConfig:
         raise SystemExit(f"poss train: {error}") from None
     script, draft, data, training = parsed[:4]
     given = {token[2:].split("=", 1)[0].replace("-", "_") for token in rest if token.startswith("--")}
+    given |= {"output_dir"} if "output" in given else set()  # --output is --output_dir
     _clear((script, draft, data, training),
            {k for k, v in recipe.items() if _is_null(v) and k not in given} | cleared)
     if not script.target:
