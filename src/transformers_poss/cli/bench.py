@@ -24,7 +24,7 @@ _int_list, _total_tokens, _total_tokens_list = int_list, tree_total_tokens, tree
 def check_arguments(args) -> None:
     """Everything `poss bench` can check before loading a model: question files, draft / assistant / target paths,
     the output folder. Numbers are checked by their argparse types."""
-    from ..loading_checks import check_draft_source
+    from ..checkpoints.loading import check_draft_source
 
     for label, source in _labelled(args.draft):
         check_draft_source(source)
