@@ -9,8 +9,9 @@ Checked: ``GenerationMixin._assisted_decoding`` / ``_validate_generation_mode`` 
 ``_prefill`` / ``_sample`` / ``_update_model_kwargs_for_generation`` (the tree loop and the hand-over),
 ``_get_candidate_generator`` (the bench's round recorder) and ``_supports_logits_to_keep`` (verification forwards).
 Attributes read at run time (``config._attn_implementation``, ``generation_config._pad_token_tensor`` /
-``_mask_length``) go through the accessors below as well. ``Trainer._save_checkpoint`` / ``_get_output_dir`` (overridden by the atomic
-checkpoints of `training.checkpoints`) are checked by `check_trainer` when that module is imported.
+``_mask_length``) go through the accessors below as well. ``Trainer._save_checkpoint`` / ``_get_output_dir``
+(overridden by the atomic checkpoints of `training.checkpoints`) are checked by `check_trainer` when that module is
+imported.
 """
 
 from __future__ import annotations

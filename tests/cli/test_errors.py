@@ -137,7 +137,8 @@ def test_vocab_size_zero(capsys, no_model_loads, tmp_path):
 
 
 def test_convert_missing_source(capsys, no_model_loads, tmp_path):
-    _short_error(capsys, ["convert", str(tmp_path / "nope"), "--output", str(tmp_path / "out")], "no such checkpoint folder")
+    _short_error(capsys, ["convert", str(tmp_path / "nope"), "--output", str(tmp_path / "out")],
+                 "no such checkpoint folder")
 
 
 def test_tune_bad_questions_before_loading(capsys, no_model_loads, tmp_path):

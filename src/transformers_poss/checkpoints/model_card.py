@@ -2,7 +2,8 @@
 
 The card's metadata (``base_model``, ``library_name``, ``pipeline_tag``, tags, eval results) and a generated summary
 are rewritten on every save; a hand-written part below the generated section (``model.model_card_extra``) and any
-other metadata of a loaded card (license, datasets, ...) are kept. `checkpoints.hub` writes it, `checkpoints.loading` reads it.
+other metadata of a loaded card (license, datasets, ...) are kept. `checkpoints.hub` writes it, `checkpoints.loading`
+reads it.
 """
 
 from __future__ import annotations

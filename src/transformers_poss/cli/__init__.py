@@ -2,10 +2,10 @@
 
 Each subcommand lives in its own module, imported only when that subcommand runs. A module provides
 ``add_arguments(parser)`` and ``run(args) -> int`` (the exit status), or ``main(argv) -> int`` when it parses its
-own arguments; adding a subcommand is one entry in `COMMANDS` and one in `EXAMPLES`. The conventions every command
-follows live in `errors.ShortErrorParser`: kebab-case or snake_case flags, files written where ``--output`` says,
-a ``--help`` that ends with one example (`epilog`). Subcommands print their results on stdout; the
-library's log messages go to stderr as ``[poss COMMAND] message`` (`errors.log_to_stderr`).
+own arguments; adding a subcommand is one entry in `COMMANDS` and one in `EXAMPLES`. The conventions every
+command follows live in `errors.ShortErrorParser`: kebab-case or snake_case flags, files written where ``--output``
+says, a ``--help`` that ends with one example (`epilog`). Subcommands print their results on stdout; the library's
+log messages go to stderr as ``[poss COMMAND] message`` (`errors.log_to_stderr`).
 """
 
 from __future__ import annotations
