@@ -174,3 +174,20 @@ def test_source_statistics_merge():
     assert merged.source_tokens == {"draft": 2, "context": 3}
     assert merged.source_rounds == {"draft": 1, "context": 2} and merged.source_round_total == 3
     assert merged.source_round_share["context"] == pytest.approx(2 / 3)
+
+
+def test_budget_drafts_nothing_while_copies_win_and_probes_again():
+    from transformers_poss.generation.budget import CostProfile, TreeBudget
+
+    profile = CostProfile(key="k", verify_seconds={1: 1.0, 64: 1.0}, draft_context_seconds=0.5,
+                          draft_step_seconds=0.5)  # drafting costs half a forward per level
+    budget = TreeBudget(profile, depth=3, max_nodes=8, calibrate=False, allow_no_draft=True, probe_every=3)
+    scores = torch.tensor([0.0, -0.05, -0.1, -3.0, -3.5])
+    needs = torch.tensor([0, 0, 0, 1, 2])  # two copied nodes (no drafting needed), two weak drafted ones
+    depths = []
+    for _ in range(6):
+        keep, _ = budget.choose(scores, needs, drafted_depth=budget.next_depth)
+        assert keep.tolist() == [0, 1, 2]  # the copied nodes only
+        depths.append(budget.next_depth)
+    assert depths == [0, 0, 1, 0, 0, 1]  # nothing drafted, a depth-1 probe every third round
+    assert budget.chosen_depth == 0

@@ -40,16 +40,21 @@ class TreeBudget:
         min_speedup: predicted speed-up under which speculation stops for the rest of the call.
         calibrate: correct the node probabilities by the observed acceptance (off when the scores are already
             calibrated estimates, as with context candidates: `hybrid.SourceEstimates`).
+        allow_no_draft: depth 0 is a choice too (nodes of depth 0 then cost no drafting time: copied from the
+            context). When it wins, the next rounds draft nothing, probing depth 1 every ``probe_every`` rounds.
     """
 
     def __init__(self, profile: CostProfile, depth: int, max_nodes: int, warmup_rounds: int = 2,
-                 min_speedup: float = 1.0, prior_weight: float = 2.0, calibrate: bool = True):
+                 min_speedup: float = 1.0, prior_weight: float = 2.0, calibrate: bool = True,
+                 allow_no_draft: bool = False, probe_every: int = 4):
         self.profile = profile
         self.depth = depth
         self.max_nodes = max_nodes
         self.warmup_rounds = warmup_rounds
         self.min_speedup = min_speedup
         self.calibrate = calibrate
+        self.allow_no_draft, self.probe_every = allow_no_draft, probe_every
+        self._undrafted = 0  # consecutive rounds in which depth 0 won
         self.observed = prior_weight  # calibration prior: the draft's probabilities are taken at face value
         self.predicted = prior_weight
         self.rounds = 0
@@ -91,13 +96,13 @@ class TreeBudget:
             candidates = torch.tensor([drafted])
         else:
             node_depths = depths.cpu()[order]
-            candidates = torch.arange(1, max(drafted, 1) + 1)
+            candidates = torch.arange(0 if self.allow_no_draft else 1, max(drafted, 1) + 1)
         eligible = node_depths[None, :] <= candidates[:, None]  # [D, M]: node j of the ranking allowed at depth d
         zero = torch.zeros(candidates.shape[0], 1, dtype=torch.long)
         counts = torch.cat([zero, eligible.long().cumsum(1)], dim=1)  # [D, M + 1] nodes kept from a ranking prefix
         raw = torch.cat([zero.double(), (probs[None, :] * eligible).cumsum(1)], dim=1)
         gain = 1.0 + raw * self.calibration
-        draft_seconds = torch.tensor([self.profile.draft(int(d)) for d in candidates], dtype=torch.float64)  # [D]
+        draft_seconds = torch.tensor([self._draft_seconds(int(d)) for d in candidates], dtype=torch.float64)  # [D]
         rate = gain / (draft_seconds[:, None] + self._verify[counts.clamp(max=self.max_nodes - 1)])
         rate = rate.masked_fill(counts > self.max_nodes - 1, float("-inf"))
         best = int(torch.argmax(rate))  # ties: the shallower depth, then the shorter prefix
@@ -106,8 +111,15 @@ class TreeBudget:
         keep = torch.sort(order[:prefix][kept]).values
         self.chosen_depth = int(node_depths[:prefix][kept].max()) if keep.numel() else 0
         self.next_depth = max(1, min(self.depth, self.chosen_depth + 1))
-        self._last = float(raw[row, prefix]), self.profile.draft(drafted) + float(self._verify[keep.shape[0]])
+        if self.allow_no_draft:  # depth 0 won: draft nothing next round, except a depth-1 probe now and then
+            self._undrafted = self._undrafted + 1 if int(candidates[row]) == 0 else 0
+            if self._undrafted and self._undrafted % self.probe_every:
+                self.next_depth = 0
+        self._last = float(raw[row, prefix]), self._draft_seconds(drafted) + float(self._verify[keep.shape[0]])
         return torch.cat([torch.zeros(1, dtype=torch.long), keep]), float(rate[row, prefix])
+
+    def _draft_seconds(self, depth: int) -> float:
+        return self.profile.draft(depth) if depth > 0 else 0.0
 
     def observe(self, accepted_draft_tokens: int) -> None:
         """Update the calibration and the speed record with the round just verified (after `choose`)."""

@@ -114,7 +114,7 @@ class PosSCandidateGenerator(CandidateGenerator):
             profile = load_or_measure_profile(self.target, self.draft, top_k=self.top_k)
             # with context candidates the node scores are already calibrated per source (`hybrid.SourceEstimates`)
             self.budget = TreeBudget(profile, depth=self.depth, max_nodes=self.total_tokens,
-                                     calibrate=self.context is None)
+                                     calibrate=self.context is None, allow_no_draft=self.context is not None)
 
     def _shape_tree(self, tree: DraftTree) -> DraftTree:
         """With an automatic budget, keep the nodes worth verifying on this machine and set the next drafting depth
