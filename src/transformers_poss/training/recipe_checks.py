@@ -106,7 +106,8 @@ def check_recipe(config) -> None:
     positive_int("--max_length", config.training.max_length)
     if not (data.train or data.prompts or data.synthesize_prompts) and script.stage != "train":
         raise ValueError("no training data: give --train, --prompts or --synthesize_prompts.")
-    check_resumable(config)
+    if script.stage not in ("data", "features"):  # those stages train nothing, so nothing resumes
+        check_resumable(config)
 
 
 # draft settings a run resumed from a checkpoint must share with it (None in the recipe: whatever the target gives)
