@@ -26,17 +26,17 @@ DEMO_PROMPTS = (
 
 
 def shipped_draft_path(name: str = DEFAULT_DRAFT) -> Path | None:
-    """The shipped draft folder: ``$POSS_DRAFTS/NAME`` or ``drafts/NAME`` in the source tree."""
-    candidates = []
-    if os.environ.get("POSS_DRAFTS"):
-        candidates.append(Path(os.environ["POSS_DRAFTS"]) / name)
-    candidates.append(Path(__file__).resolve().parents[2] / "drafts" / name)
-    candidates.append(Path.cwd() / "drafts" / name)
-    return next((p for p in candidates if (p / "config.json").exists()), None)
+    """The shipped draft folder (installed with the package; ``$POSS_DRAFTS/NAME`` first), or None."""
+    from ..targets.embedded import shipped_draft
+
+    try:
+        return shipped_draft(name)
+    except FileNotFoundError:
+        return None
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--draft", default=None, help=f"draft folder (default: the shipped drafts/{DEFAULT_DRAFT})")
+    parser.add_argument("--draft", default=None, help=f"draft folder (default: {DEFAULT_DRAFT}, shipped with the package)")
     parser.add_argument("--target", default="smollm2-135m-instruct", help="embedded name, Hub id or folder")
     parser.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable); default: three built-in")
     parser.add_argument("--max-new-tokens", type=positive_int, default=96)
@@ -74,7 +74,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     draft_path = args.draft or shipped_draft_path()
     if draft_path is None:
-        print(f"No draft found (looked for drafts/{DEFAULT_DRAFT}); pass --draft FOLDER.", file=sys.stderr)
+        print(f"No draft found: the shipped {DEFAULT_DRAFT} is not installed; pass --draft FOLDER.", file=sys.stderr)
         return 2
     check_arguments(args, str(draft_path))
     print(f"target: {args.target}   draft: {draft_path}", flush=True)

@@ -30,7 +30,10 @@ from typing import Callable
 import torch
 
 
-__all__ = ["EMBEDDED_TARGETS", "EmbeddedTarget", "MissingPackageError", "cache_root", "embedded_folder", "load_target"]
+__all__ = [
+    "EMBEDDED_TARGETS", "SHIPPED_DRAFTS", "EmbeddedTarget", "MissingPackageError", "cache_root", "embedded_folder",
+    "load_target", "shipped_draft",
+]
 
 _MARKER = "poss_embedded.json"
 _CACHE_FORMAT = 1
@@ -126,6 +129,28 @@ EMBEDDED_TARGETS: dict[str, EmbeddedTarget] = {
         chat=False,
     ),
 }
+
+
+# drafts trained for the embedded SmolLM2 target, installed with the package (`transformers_poss/drafts/NAME`)
+SHIPPED_DRAFTS = ("poss-smollm2-135m-instruct", "eagle2-smollm2-135m-instruct")
+
+
+def shipped_draft(name: str = SHIPPED_DRAFTS[0]) -> Path:
+    """Folder of a draft shipped with the package (``$POSS_DRAFTS/NAME`` first, when that variable is set).
+
+    Raises:
+        ValueError: ``name`` is not a shipped draft.
+        FileNotFoundError: the package was installed without its drafts.
+    """
+    if name not in SHIPPED_DRAFTS:
+        raise ValueError(f"{name!r} is not a shipped draft: choose one of {', '.join(SHIPPED_DRAFTS)}.")
+    candidates = [Path(os.environ["POSS_DRAFTS"]) / name] if os.environ.get("POSS_DRAFTS") else []
+    candidates.append(Path(__file__).resolve().parents[1] / "drafts" / name)
+    for folder in candidates:
+        if (folder / "config.json").is_file():
+            return folder
+    raise FileNotFoundError(f"The shipped draft {name} is not installed (looked in {', '.join(map(str, candidates))}): "
+                            "reinstall transformers-poss, or pass the draft folder.")
 
 
 def cache_root() -> Path:
