@@ -235,8 +235,7 @@ def test_bundled_mt_bench_questions_ship_with_the_package():
     questions = load_questions([path], selection="first")
     assert len(questions) == 80 and len({q["category"] for q in questions}) == 8 and questions[0]["file"] == "mt_bench"
     assert [q["question_id"] for q in load_questions([path], 8)] == [81, 91, 101, 111, 121, 131, 141, 151]  # spread
-    if MT_BENCH.exists():
-        assert path.read_bytes() == MT_BENCH.read_bytes()
+    assert path.read_bytes() == MT_BENCH.read_bytes()
     assert "Apache License 2.0" in (path.parent / "README.md").read_text()  # its source and licence, next to it
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     root = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from transformers_poss import PosSDraftConfig, PosSDraftModel
 pytestmark = pytest.mark.integration
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench.jsonl"
+MT_BENCH = ROOT / "src" / "transformers_poss" / "bench" / "data" / "mt_bench.jsonl"  # shipped with the package
 TRAINED_DRAFT = ROOT / "drafts" / "poss-smollm2-135m-instruct"
 
 
@@ -27,8 +27,6 @@ def _load(name):
 
 
 def _questions(count):
-    if not MT_BENCH.exists():
-        pytest.skip(f"{MT_BENCH} not found")
     lines = MT_BENCH.read_text().splitlines()[:count]
     return [json.loads(line)["turns"][0] for line in lines]
 
