@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import os
 
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
 CARD_TAGS = ["transformers-poss", "speculative-decoding", "poss", "draft-model"]
 LIBRARY_NAME = "transformers-poss"
 PIPELINE_TAG = "text-generation"
@@ -24,23 +28,73 @@ EMBEDDED_HUB_IDS = {
     "smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
     "gemma3-270m": "google/gemma-3-270m",
 }
+# licences of known targets' Hub repositories: a draft trained on a target's outputs is published under its licence
+TARGET_LICENSES = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "apache-2.0",
+    "google/gemma-3-270m": "gemma",
+}
+# the Hub id the card's usage snippet shows when the draft was saved to a local folder, not pushed
+PLACEHOLDER_REPO = "your-name/your-draft"
+_USAGE_NOTE = "   # the Hub id it is pushed to, or its folder"
 # metadata regenerated on every save; any other key of a loaded card (license, datasets, language, ...) is kept
 _GENERATED_KEYS = {"library_name", "pipeline_tag", "base_model", "tags", "model-index", "eval_results", "model_name"}
 
-__all__ = ["base_model_id", "build_model_card", "card_metrics", "render_model_card", "split_card", "write_model_card"]
+__all__ = ["PLACEHOLDER_REPO", "base_model_id", "build_model_card", "card_metrics", "render_model_card", "split_card", "write_model_card"]
 
 
 # ---------------------------------------------------------------------------------------------------- the card
+def _is_hub_id(name) -> bool:
+    return (isinstance(name, str) and name.count("/") == 1 and not name.startswith((".", "/", "~"))
+            and not os.path.exists(name))
+
+
 def base_model_id(target: str | None) -> str | None:
-    """The Hub id of the target for the card's ``base_model``: a Hub id as is, an embedded name mapped to the repo
-    it comes from; None for a local folder or an unknown name."""
+    """The Hub id of the target for the card's ``base_model``: a Hub id as is, an embedded name (or its converted
+    cache folder) mapped to the repo it comes from, a local folder saved from a Hub model by the ``_name_or_path``
+    in its config.json; None when nothing says where the target comes from."""
     if not target:
         return None
-    if target in EMBEDDED_HUB_IDS:
-        return EMBEDDED_HUB_IDS[target]
-    if os.path.isabs(target) or os.path.exists(target) or target.count("/") != 1 or target.startswith("."):
-        return None
-    return target
+    target = str(target)
+    name = os.path.basename(os.path.normpath(target))
+    if target in EMBEDDED_HUB_IDS or (os.path.isdir(target) and name in EMBEDDED_HUB_IDS):
+        return EMBEDDED_HUB_IDS[name]
+    if _is_hub_id(target):
+        return target
+    config = os.path.join(target, "config.json")
+    if os.path.isfile(config):
+        import json
+
+        try:
+            with open(config, encoding="utf-8") as handle:
+                origin = json.load(handle).get("_name_or_path")
+        except (OSError, ValueError):
+            return None
+        return origin if _is_hub_id(origin) else None
+    return None
+
+
+def usage_repo(repo: str | None) -> str:
+    """The id the card's snippet loads: ``repo`` when it is a Hub id, else `PLACEHOLDER_REPO` (never a local path)."""
+    return repo if _is_hub_id(repo) else PLACEHOLDER_REPO
+
+
+def portable(value):
+    """``value`` (a recipe: dicts, lists, strings) with absolute local paths cut to ``.../NAME``: a card is public."""
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable(v) for v in value]
+    if isinstance(value, str) and (os.path.isabs(value) or value.startswith("~")):
+        return ".../" + os.path.basename(os.path.normpath(value))
+    return value
+
+
+def _default_name(model) -> str:
+    """model-index name of a draft saved locally: what it drafts for, e.g. ``poss2-SmolLM2-135M-Instruct``."""
+    config = model.config
+    base = base_model_id(config.target_name_or_path)
+    kind = f"poss{config.positions_per_specialist}" if config.num_specialists > 1 else "draft"
+    return f"{kind}-{base.split('/')[-1]}" if base else f"{kind}-draft"
 
 
 def card_metrics(model, extra: dict | None = None) -> dict[str, float]:
@@ -83,7 +137,7 @@ def _features_row(config) -> str:
 
 def _generated_body(model, repo: str) -> str:
     config, gen = model.config, model.generation_config
-    target = config.target_name_or_path or "unknown"
+    target = base_model_id(config.target_name_or_path) or portable(config.target_name_or_path) or "unknown"
     if config.draft_vocab_size:
         vocab = f"{config.draft_vocab_size} of {config.vocab_size} tokens"
     else:
@@ -119,7 +173,7 @@ A PosS (Position Specialists) draft model for tree speculative decoding with
 import transformers_poss
 from transformers_poss import PosSDraftModel
 
-draft = PosSDraftModel.from_pretrained("{repo}")
+draft = PosSDraftModel.from_pretrained("{usage_repo(repo)}"){_USAGE_NOTE if usage_repo(repo) == PLACEHOLDER_REPO else ""}
 out = target.generate(**inputs, assistant_model=draft, max_new_tokens=256)
 ```
 {GENERATED_END}
@@ -147,8 +201,14 @@ def build_model_card(model, repo: str = "PATH_OR_REPO", tags=None, metadata: dic
             if tag not in all_tags:
                 all_tags.append(tag)
     base = base_model_id(model.config.target_name_or_path) or loaded.get("base_model")
+    if base is None:
+        logger.warning("The card has no base_model: the draft's target %r is not a Hub id; pass "
+                       "metadata={'base_model': 'org/name'} or save a draft made for the Hub model.",
+                       model.config.target_name_or_path)
+    if "license" not in data and TARGET_LICENSES.get(base):
+        data["license"] = TARGET_LICENSES[base]  # the target's licence, unless the card or the caller sets one
     figures = card_metrics(model, metrics)
-    name = repo.rstrip("/").split("/")[-1] if repo and repo != "PATH_OR_REPO" else None
+    name = repo.rstrip("/").split("/")[-1] if _is_hub_id(repo) else _default_name(model)
     card_data = ModelCardData(
         base_model=base,
         library_name=LIBRARY_NAME,
@@ -183,8 +243,8 @@ def render_model_card(model, repo: str = "PATH_OR_REPO", tags=None, **kwargs) ->
 
 
 def write_model_card(model, save_directory: str, repo: str | None = None, tags=None, **kwargs) -> str:
+    """Write ``save_directory/README.md``; ``repo`` (the Hub id) names the draft in it, else a placeholder does."""
     path = os.path.join(save_directory, CARD_FILE)
-    repo = repo or os.path.basename(os.path.normpath(save_directory))
     build_model_card(model, repo=repo, tags=tags, **kwargs).save(path)
     return path
 

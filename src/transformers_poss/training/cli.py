@@ -233,6 +233,9 @@ def train(config: PosSTrainConfig, target, tokenizer, train_dataset, eval_datase
 
 
 def _card(recipe: dict, result, metrics, num_sequences) -> str:
+    from ..checkpoints.model_card import portable
+
+    recipe = portable(recipe)  # the card is public: no local paths
     lines = ["## Training", "", f"- target: `{recipe['script']['target']}`; {num_sequences} training sequences; "
              f"features: {recipe['script']['features']}", f"- steps: {result.global_step}; final training loss: "
              f"{result.training_loss:.4f}", "", "Recipe (`poss train` settings):", "", "```yaml",
