@@ -10,6 +10,7 @@ from ..configuration_poss import DEFAULT_TREE_SHAPE
 from ..modeling_poss import PosSDraftModel
 from ..quantization.int8 import linear_device
 from ..speculation.drafter import PosSProposer
+from ..speculation.sampled_drafter import DraftWarping, SampledTreeProposer, tree_sampling_mode
 from ..speculation.tree import DraftTree
 from .hybrid import ContextCandidates, context_candidate_tokens, drafting_depths
 
@@ -72,6 +73,23 @@ def place_draft(draft, target) -> torch.device:
     return device
 
 
+def sampled_tree_warping(draft, generation_config, total_tokens, context: bool = False,
+                         auto: bool = False) -> DraftWarping | None:
+    """The draft's warping when this call samples its trees (``do_sample`` and ``tree_sampling=
+    "draft_probabilities"`` on the draft's generation config), else None. A bad ``tree_sampling`` value raises, and so
+    do the combinations that choose a node's children after drawing them (context candidates, the automatic budget):
+    the recursive rule would not be exact there."""
+    mode = tree_sampling_mode(getattr(draft, "generation_config", None))
+    if mode != "draft_probabilities" or generation_config is None or not generation_config.do_sample:
+        return None
+    for name, on in (("tree_context_candidates", context), ('tree_total_tokens="auto"', auto)):
+        if on:
+            raise ValueError(f'tree_sampling="draft_probabilities" cannot be combined with {name}: the tree is then '
+                             "cut after its children are drawn, and the recursive rejection rule would no longer keep "
+                             'the target distribution. Use tree_sampling="target_only" or turn it off.')
+    return DraftWarping.from_generation_config(generation_config)
+
+
 class PosSCandidateGenerator(CandidateGenerator):
     """A `CandidateGenerator` whose candidates are draft trees (single-row loop).
 
@@ -83,11 +101,13 @@ class PosSCandidateGenerator(CandidateGenerator):
     Args:
         draft (`PosSDraftModel`): the draft, attached to ``target``.
         target (`PreTrainedModel`): the model ``generate`` was called on.
+        generation_config (`GenerationConfig`, *optional*): the call's; with ``do_sample`` and the draft's
+            ``tree_sampling="draft_probabilities"`` the trees are sampled (`sampled_tree_warping`).
     """
 
     requires_model_outputs = True
 
-    def __init__(self, draft, target):
+    def __init__(self, draft, target, generation_config=None):
         self.draft = draft
         self.target = target
         self.depth, self.top_k, self.total_tokens = tree_shape(draft)
@@ -95,9 +115,13 @@ class PosSCandidateGenerator(CandidateGenerator):
         tokens = context_candidate_tokens(getattr(draft, "generation_config", None))
         self.context = ContextCandidates(tokens) if tokens > 0 else None
         self._setup_budget()
+        self.warping = sampled_tree_warping(draft, generation_config, self.total_tokens, self.context is not None,
+                                            self.budget is not None)  # fmt: skip
         self.proposer = self._make_proposer()
 
     def _make_proposer(self):
+        if self.warping is not None:
+            return SampledTreeProposer(self.draft, self.depth, self.top_k, self.total_tokens, self.warping)
         return PosSProposer(self.draft, depth=self.depth, top_k=self.top_k, total_tokens=self.total_tokens)
 
     def _setup_budget(self):

@@ -62,7 +62,7 @@ def tree_assisted_decoding(
     if input_ids.shape[0] > 1:  # B > 1 rows: the batched loop (B = 1 keeps this loop)
         return generate_batch(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                               assistant_model, model_kwargs)  # fmt: skip
-    candidate_generator = PosSCandidateGenerator(assistant_model, self)
+    candidate_generator = PosSCandidateGenerator(assistant_model, self, generation_config)
     do_sample = bool(generation_config.do_sample)
     return_dict = generation_config.return_dict_in_generate
     stats = AcceptanceStats()

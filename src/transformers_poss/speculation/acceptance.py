@@ -8,7 +8,10 @@ root-to-node-``i`` path). These functions pick the accepted path:
 - sampling: at the current node take the target distribution ``p`` after the logits processors, try the node's
   distinct children in order, accepting child ``x`` with probability ``p(x)`` (renormalised over what is left after
   earlier rejections); when every child is rejected, sample the bonus token from the residual distribution. As the
-  children are deterministic draft picks, this reproduces the target distribution exactly.
+  children are deterministic draft picks, this reproduces the target distribution exactly;
+- sampling a sampled tree (``tree_sampling="draft_probabilities"``, the tree carries ``draft_probs``): the recursive
+  rule with the target's ``p`` and the draft's ``q`` (`rejection.recursive_rejection_sample`), all rows' current
+  nodes at once (`sampled_accept`).
 
 All functions are pure: they read logits and trees and return new tensors. Loops run over tree depth at most, never
 over all nodes.
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .rejection import recursive_rejection_sample
 from .tree import BatchedTree, DraftTree
 
 
@@ -154,6 +158,12 @@ def accept_tree(
     generator: torch.Generator | None = None,
 ) -> TreeAcceptance:
     """Pick the accepted path of a verified tree: vectorised greedy when no processor applies, else per depth."""
+    if do_sample and tree.draft_probs is not None:
+        processors = [identity_processor if logits_processor is None else logits_processor]
+        accepted, scores = sampled_accept(tree.as_batch(), logits[None], [prefix_ids], processors, generator)
+        count = int(accepted.counts[0])
+        return TreeAcceptance(path=accepted.index[0, -count:], tokens=accepted.tokens[0, -count:], scores=scores[0],
+                              proposed_next=bool(accepted.proposed_next[0]))  # fmt: skip
     if not do_sample and (logits_processor is None or len(logits_processor) == 0):
         return greedy_accept(tree, logits.float())
     if logits_processor is None:
@@ -253,4 +263,70 @@ def accept_batch(tree: BatchedTree, logits, prefixes, processors, do_sample=Fals
     """
     if not do_sample and processors is None:
         return batched_greedy_accept(tree, logits.float())
+    if do_sample and tree.draft_probs is not None:
+        return sampled_accept(tree, logits, prefixes(), processors)[0]
     return per_row_accept(tree, logits, prefixes(), processors, do_sample)
+
+
+def _children_in_order(tree: BatchedTree) -> torch.LongTensor:
+    """`[B, n, c]`: each node's valid children in node order (= draw order in a sampled tree), ``n`` past the end."""
+    n = tree.num_nodes
+    nodes = torch.arange(n, device=tree.tokens.device)
+    is_child = (tree.parents[:, None, :] == nodes[None, :, None]) & tree.valid[:, None, :]  # [B, parent, child]
+    width = max(int(is_child.sum(-1).max()), 1)
+    return torch.where(is_child, nodes, n).sort(dim=-1).values[..., :width]
+
+
+def sampled_accept(tree: BatchedTree, logits: torch.Tensor, prefixes: list[torch.LongTensor], processors: list,
+                   generator: torch.Generator | None = None) -> tuple[BatchAcceptance, list[torch.FloatTensor]]:
+    """Acceptance of sampled trees by recursive rejection sampling with ``p`` and ``q``, a walk over depth.
+
+    At each depth the rows still walking form one flat batch: their current node's target distribution ``p`` (after
+    that row's processors for its own prefix), the draft distribution ``q`` its children were drawn from
+    (``tree.draft_probs``) and its children in draw order go through `recursive_rejection_sample` together.
+
+    Args:
+        tree: sampled trees with ``draft_probs`` / ``draft_probs_index``; logits (`[B, n, vocab]`): raw target logits.
+        prefixes: per row, `[1, L_b]` its sequence up to and including its root; processors: per row.
+
+    Returns:
+        the `BatchAcceptance` and, per row, the processed scores `[a_b + 1, vocab]` of its emitted tokens.
+    """
+    batch, n = tree.tokens.shape
+    children = _children_in_order(tree)  # [B, n, c]
+    rows = torch.arange(batch, device=logits.device)
+    node = torch.zeros(batch, dtype=torch.long, device=logits.device)
+    walking = [True] * batch
+    paths, emitted, scores = [[0] for _ in range(batch)], [[] for _ in range(batch)], [[] for _ in range(batch)]
+    proposed = [False] * batch
+    ids = list(prefixes)
+    while any(walking):
+        live = [b for b in range(batch) if walking[b]]
+        at = torch.tensor(live, device=logits.device)
+        here = node[at]
+        processed = torch.cat([processors[b](ids[b], logits[b, int(node[b])][None].float()) for b in live])
+        kids = children[at, here]  # [N, c]
+        has_q = tree.draft_probs_index[at, here]
+        kid_valid = (kids < n) & (has_q >= 0)[:, None]
+        kid_tokens = tree.tokens[at[:, None], kids.clamp(max=n - 1)]
+        q = tree.draft_probs[at, has_q.clamp(min=0)]
+        choice, token = recursive_rejection_sample(torch.softmax(processed, dim=-1), q, kid_tokens, kid_valid,
+                                                   generator)  # fmt: skip
+        for j, b in enumerate(live):
+            emitted[b].append(int(token[j]))
+            scores[b].append(processed[j : j + 1])
+            if int(choice[j]) < 0:
+                walking[b], proposed[b] = False, bool(kid_valid[j].any())
+                continue
+            node[b] = kids[j, int(choice[j])]
+            paths[b].append(int(node[b]))
+            ids[b] = torch.cat([ids[b], ids[b].new_tensor([[int(token[j])]])], dim=-1)
+    counts = torch.tensor([len(p) for p in paths], device=logits.device)
+    width = int(counts.max())
+    index = torch.zeros(batch, width, dtype=torch.long, device=logits.device)
+    tokens = torch.zeros_like(index)
+    for b in rows.tolist():
+        index[b, width - len(paths[b]) :] = torch.tensor(paths[b], device=logits.device)
+        tokens[b, width - len(paths[b]) :] = torch.tensor(emitted[b], device=logits.device)
+    accepted = BatchAcceptance(index, tokens, counts, torch.tensor(proposed, device=logits.device))
+    return accepted, [torch.cat(s, dim=0) for s in scores]

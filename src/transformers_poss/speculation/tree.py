@@ -28,6 +28,11 @@ class DraftTree:
             (`trie.DRAFT_SOURCE`, `trie.CONTEXT_SOURCE`; 0 for the root); None for a tree of the draft alone.
         draft_logprobs (`torch.FloatTensor` of shape `[n]`, *optional*): with ``sources``, the draft's log-probability
             of each node given its parent (0 where the draft did not propose the node).
+        draft_probs (`torch.FloatTensor` of shape `[P, vocab]`, *optional*): in a sampled tree
+            (``tree_sampling="draft_probabilities"``), the draft distribution each expanded node's children were drawn
+            from, without replacement, in node order.
+        draft_probs_index (`torch.LongTensor` of shape `[n]`, *optional*): row of ``draft_probs`` of each node (-1 for
+            a node that was not expanded).
     """
 
     tokens: torch.LongTensor
@@ -37,6 +42,8 @@ class DraftTree:
     scores: torch.FloatTensor | None = None
     sources: torch.LongTensor | None = None
     draft_logprobs: torch.FloatTensor | None = None
+    draft_probs: torch.FloatTensor | None = None
+    draft_probs_index: torch.LongTensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -100,6 +107,8 @@ class DraftTree:
             scores=None if self.scores is None else self.scores[keep],
             sources=self._per_node("sources", lambda v: v[keep]),
             draft_logprobs=self._per_node("draft_logprobs", lambda v: v[keep]),
+            draft_probs=self.draft_probs,
+            draft_probs_index=self._per_node("draft_probs_index", lambda v: v[keep]),
         )
 
     def as_batch(self) -> "BatchedTree":
@@ -108,7 +117,9 @@ class DraftTree:
         scores = None if self.scores is None else self.scores[None]
         return BatchedTree(self.tokens[None], self.parents[None], self.depths[None], self.tree_mask[None], valid, scores,
                            self._per_node("sources", lambda v: v[None]),
-                           self._per_node("draft_logprobs", lambda v: v[None]))
+                           self._per_node("draft_logprobs", lambda v: v[None]),
+                           self._per_node("draft_probs", lambda v: v[None]),
+                           self._per_node("draft_probs_index", lambda v: v[None]))
 
     def to(self, device) -> "DraftTree":
         return DraftTree(
@@ -119,6 +130,8 @@ class DraftTree:
             scores=None if self.scores is None else self.scores.to(device),
             sources=self._per_node("sources", lambda v: v.to(device)),
             draft_logprobs=self._per_node("draft_logprobs", lambda v: v.to(device)),
+            draft_probs=self._per_node("draft_probs", lambda v: v.to(device)),
+            draft_probs_index=self._per_node("draft_probs_index", lambda v: v.to(device)),
         )
 
 
@@ -169,6 +182,7 @@ class BatchedTree:
         valid (`torch.BoolTensor` of shape `[B, n]`): nodes that may be accepted (closed under parents).
         scores (`torch.FloatTensor` of shape `[B, n]`, *optional*): cumulative draft log-probabilities (root 0).
         sources, draft_logprobs (`[B, n]`, *optional*): as in `DraftTree`, per row.
+        draft_probs (`[B, P, vocab]`), draft_probs_index (`[B, n]`) (*optional*): as in `DraftTree`, per row.
     """
 
     tokens: torch.LongTensor
@@ -179,6 +193,8 @@ class BatchedTree:
     scores: torch.FloatTensor | None = None
     sources: torch.LongTensor | None = None
     draft_logprobs: torch.FloatTensor | None = None
+    draft_probs: torch.FloatTensor | None = None
+    draft_probs_index: torch.LongTensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -199,14 +215,16 @@ class BatchedTree:
         """Invalidate the nodes of row ``b`` deeper than ``max_depths[b]`` (`[B]`)."""
         valid = self.valid & (self.depths <= max_depths[:, None])
         return BatchedTree(self.tokens, self.parents, self.depths, self.tree_mask, valid, self.scores, self.sources,
-                           self.draft_logprobs)
+                           self.draft_logprobs, self.draft_probs, self.draft_probs_index)
 
     def single(self) -> DraftTree:
         """The tree of a batch of one whose nodes are all valid, as a `DraftTree`."""
         scores = None if self.scores is None else self.scores[0]
         return DraftTree(self.tokens[0], self.parents[0], self.depths[0], self.tree_mask[0], scores,
                          None if self.sources is None else self.sources[0],
-                         None if self.draft_logprobs is None else self.draft_logprobs[0])
+                         None if self.draft_logprobs is None else self.draft_logprobs[0],
+                         None if self.draft_probs is None else self.draft_probs[0],
+                         None if self.draft_probs_index is None else self.draft_probs_index[0])
 
     @classmethod
     def root_only(cls, roots: torch.LongTensor) -> "BatchedTree":
