@@ -12,8 +12,8 @@ from transformers_poss.cli import bench as bench_cli
 from transformers_poss.bench import build_report, finish, load_questions, mismatch_report, render, run_methods
 from transformers_poss.bench.methods import (GenerationSettings, Method, MethodResult, Prompt, baseline_method,
                                              prompt_lookup_method, record_candidate_rounds, result_from_generate)
-from transformers_poss.bench.metrics import (PromptRecord, first_mismatch, position_acceptance, summarize,
-                                             time_split)
+from transformers_poss.bench.metrics import (PromptRecord, first_mismatch, position_acceptance, position_rounds,
+                                             summarize, time_split)
 
 
 CONTRACT_KEYS = {"tokens_per_s", "speedup", "mean_acceptance_length", "position_acceptance", "identical_to_baseline",
@@ -76,7 +76,8 @@ def test_report_layout_and_lossless_methods(model, prompts):
     for row in lookup["per_prompt"]:
         assert sum(row["accepted_lengths"]) == row["new_tokens"] == 10
     assert lookup["mean_acceptance_length"] > 1.0
-    assert lookup["position_acceptance"] and all(0 <= r <= 1 for r in lookup["position_acceptance"])
+    assert lookup["position_acceptance"] and all(r is None or 0 <= r <= 1 for r in lookup["position_acceptance"])
+    assert len(lookup["position_rounds"]) == len(lookup["position_acceptance"])
     assert mismatch_report(report) == []
     assert "cpu" in report["environment"] and report["environment"]["versions"]["torch"]
     json.dumps(report)  # JSON-ready
@@ -139,14 +140,21 @@ def _record(result, seconds=1.0):
 
 
 def test_position_acceptance_pooling():
-    # rounds offering 3 positions: accepted 0, 1, 2, 3 drafts
-    rounds = _record(MethodResult([0] * 10, accepted_lengths=[1, 2, 3, 4], drafted_lengths=[3, 3, 3, 3]))
+    # rounds offering 3 positions: accepted 0, 1, 2, 3 drafts (x 6: 24 rounds, 18 reach position 3)
+    rounds = _record(MethodResult([0] * 10, accepted_lengths=[1, 2, 3, 4] * 6, drafted_lengths=[3, 3, 3, 3] * 6))
     assert position_acceptance([rounds]) == [0.75, pytest.approx(2 / 3, abs=1e-4), 0.5]
+    assert position_rounds([rounds]) == [24, 18, 12]
     # exact counts are summed over prompts before dividing
-    a = _record(MethodResult([0], position_counts=([1, 0], [2, 1])))
-    b = _record(MethodResult([0], position_counts=([3, 2, 1], [4, 3, 2])))
+    a = _record(MethodResult([0], position_counts=([10, 0], [20, 10])))
+    b = _record(MethodResult([0], position_counts=([30, 20, 10], [40, 30, 20])))
     assert position_acceptance([a, b]) == [pytest.approx(4 / 6, abs=1e-4), 0.5, 0.5]
     assert position_acceptance([_record(MethodResult([0]))]) is None
+
+
+def test_position_reached_by_too_few_rounds_has_no_rate():
+    record = _record(MethodResult([0], position_counts=([12, 3, 1], [20, 9, 1])))
+    assert position_acceptance([record]) == [0.6, None, None]  # 9 and 1 rounds: below MIN_POSITION_ROUNDS
+    assert position_rounds([record]) == [20, 9, 1]
 
 
 def test_time_split_other_is_the_rest():

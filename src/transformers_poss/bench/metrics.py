@@ -87,8 +87,12 @@ def compare_with_baseline(record: PromptRecord, baseline: PromptRecord) -> None:
         record.speedup = record.tokens_per_s / baseline.tokens_per_s
 
 
-def _pooled_counts(records: list[PromptRecord]) -> list[float] | None:
-    """Position rates from per-position (accepted, proposed) counts summed over prompts."""
+# a position-wise rate from fewer rounds than this is not shown (None): 0.0 or 1.0 from three rounds says nothing
+MIN_POSITION_ROUNDS = 10
+
+
+def _pooled_counts(records: list[PromptRecord]) -> tuple[list[int], list[int]] | None:
+    """Per-position (accepted, proposed) counts summed over prompts."""
     accepted, proposed = [], []
     for record in records:
         if record.result.position_counts is None:
@@ -99,11 +103,11 @@ def _pooled_counts(records: list[PromptRecord]) -> list[float] | None:
                 totals[i] += value
     if not proposed:
         return None
-    return [round(a / p, 4) if p else None for a, p in zip(accepted, proposed)]
+    return accepted, proposed
 
 
-def _pooled_rounds(records: list[PromptRecord]) -> list[float] | None:
-    """Position rates from rounds of (positions offered, tokens accepted)."""
+def _pooled_rounds(records: list[PromptRecord]) -> tuple[list[int], list[int]] | None:
+    """Per-position (accepted, reached) counts from rounds of (positions offered, tokens accepted)."""
     rounds = []
     for record in records:
         accepted, drafted = record.result.accepted_lengths, record.result.drafted_lengths
@@ -111,27 +115,33 @@ def _pooled_rounds(records: list[PromptRecord]) -> list[float] | None:
             rounds.extend((d, a - 1) for a, d in zip(accepted, drafted))
     if not rounds:
         return None
-    rates = []
+    accepted, reached = [], []
     for i in range(1, max(d for d, _ in rounds) + 1):
-        reached = sum(1 for d, a in rounds if d >= i and a >= i - 1)
-        if reached == 0:
+        count = sum(1 for d, a in rounds if d >= i and a >= i - 1)
+        if count == 0:
             break
-        rates.append(round(sum(1 for d, a in rounds if d >= i and a >= i) / reached, 4))
-    return rates
+        reached.append(count)
+        accepted.append(sum(1 for d, a in rounds if d >= i and a >= i))
+    return accepted, reached
 
 
-def position_acceptance(records: list[PromptRecord]) -> list[float] | None:
-    """Pooled position-wise acceptance: at position i, rounds that accepted i drafts over rounds that reached i.
+def position_rounds(records: list[PromptRecord]) -> list[int] | None:
+    """At each draft position i, the rounds that reached it (the count behind each position-wise rate)."""
+    counts = _pooled_counts(records) or _pooled_rounds(records)
+    return list(counts[1]) if counts else None
+
+
+def position_acceptance(records: list[PromptRecord]) -> list[float | None] | None:
+    """Pooled position-wise acceptance: at position i, rounds that accepted i drafts over rounds that reached i;
+    None where fewer than `MIN_POSITION_ROUNDS` rounds reached i (`position_rounds` gives the counts).
 
     A round "reaches" position i when positions 1..i-1 were accepted and the draft offered a token at position i.
     Uses exact per-position counts when the method reports them, else per-round offered/accepted lengths, else the
     mean of per-prompt rates.
     """
-    rates = _pooled_counts(records)
-    if rates is None:
-        rates = _pooled_rounds(records)
-    if rates is not None:
-        return rates
+    counts = _pooled_counts(records) or _pooled_rounds(records)
+    if counts is not None:
+        return [round(a / p, 4) if p >= MIN_POSITION_ROUNDS else None for a, p in zip(*counts)]
     lists = [r.result.position_acceptance for r in records if r.result.position_acceptance]
     if not lists:
         return None
@@ -220,6 +230,7 @@ def method_report(records: list[PromptRecord], baseline: list[PromptRecord], inf
     deltas = [r.memory_delta_mb for r in records if r.memory_delta_mb is not None]
     entry.update({
         "position_acceptance": position_acceptance(records),
+        "position_rounds": position_rounds(records),
         "mismatches": [{"question_id": r.prompt.question_id, "file": r.prompt.file, "first_mismatch": r.first_mismatch}
                        for r in records if r.identical is False],
         "time_split": time_split(records),

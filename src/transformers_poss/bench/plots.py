@@ -35,8 +35,16 @@ def plot_position_acceptance(report: dict, path: Path, plt) -> Path | None:
     if not series:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, rates in series.items():
-        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=name)
+    for name, rates in series.items():  # a position reached by too few rounds has no rate (None): not drawn
+        points = [(i, r) for i, r in enumerate(rates, 1) if r is not None]
+        if not points:
+            continue
+        line, = ax.plot(*zip(*points), marker="o", label=name)
+        counts = report["methods"][name].get("position_rounds") or []
+        for i, rate in points:  # each rate with the rounds it rests on
+            if i <= len(counts):
+                ax.annotate(f"n={counts[i - 1]}", (i, rate), textcoords="offset points", xytext=(0, 6),
+                            ha="center", fontsize=6, color=line.get_color())
     ax.set_xlabel("draft position i")
     ax.set_ylabel("acceptance rate at i (given 1..i-1 accepted)")
     ax.set_ylim(0, 1)

@@ -100,6 +100,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = ShortErrorParser(prog="poss", description="PosS tree speculative decoding for transformers")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error (or POSS_DEBUG=1)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (or POSS_NO_PROGRESS=1; also off when stderr is not a terminal)")
     parser.add_argument(WAIT_POLICY_FLAG, choices=WAIT_POLICIES, default=None,
                         help="run with OMP_WAIT_POLICY set to this (default: the environment's; `passive` is faster on "
                              "a busy or shared CPU, `active` on a quiet one: docs/budget.md)")
@@ -114,13 +116,25 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: ``poss COMMAND [options]``."""
-    from .errors import log_to_stderr, run_reporting_errors, short_warnings, take_debug_flag
+    from .errors import disable_progress_bars, take_debug_flag, take_no_progress_flag
 
     argv = list(sys.argv[1:] if argv is None else argv)
     argv, policy = take_wait_policy(argv)
     if policy is not None:
         _restart_with_wait_policy(argv, policy)
     argv, debug = take_debug_flag(argv)
+    argv, no_progress = take_no_progress_flag(argv)
+    restore = disable_progress_bars() if no_progress else None
+    try:
+        return _run(argv, debug)
+    finally:
+        if restore is not None:
+            restore()
+
+
+def _run(argv: list[str], debug: bool) -> int:
+    from .errors import log_to_stderr, run_reporting_errors, short_warnings
+
     short_warnings(debug)
     chosen = _chosen(argv)
     if chosen in COMMANDS:

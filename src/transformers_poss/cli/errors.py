@@ -82,6 +82,47 @@ def take_debug_flag(argv: list[str]) -> tuple[list[str], bool]:
     return [a for a in argv if a != "--debug"], "--debug" in argv
 
 
+def take_no_progress_flag(argv: list[str]) -> tuple[list[str], bool]:
+    """``argv`` without ``--no-progress`` (accepted anywhere) and whether progress bars are off: the flag,
+    ``POSS_NO_PROGRESS=1``, or a standard error that is not a terminal (no carriage returns in captured logs)."""
+    flags = ("--no-progress", "--no_progress")
+    off = any(a in flags for a in argv) or os.environ.get("POSS_NO_PROGRESS", "").strip().lower() in ("1", "true", "yes")
+    return [a for a in argv if a not in flags], off or not _is_terminal(sys.stderr)
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def disable_progress_bars():
+    """Every progress bar off for this command: transformers' (the library's bars and "Loading weights"), the Hub's
+    downloads, and the Trainer's (`poss train` reads ``POSS_NO_PROGRESS``). Commands call this, never the library.
+    Returns a function that puts everything back (for `cli.main` called from Python)."""
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+    from huggingface_hub.utils import disable_progress_bars as hub_off
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled(), os.environ.get("POSS_NO_PROGRESS")
+    hf_logging.disable_progress_bar()
+    hub_off()
+    os.environ["POSS_NO_PROGRESS"] = "1"
+
+    def restore() -> None:
+        if was[0]:
+            hf_logging.enable_progress_bar()
+        if not was[1]:
+            enable_progress_bars()
+        if was[2] is None:
+            os.environ.pop("POSS_NO_PROGRESS", None)
+        else:
+            os.environ["POSS_NO_PROGRESS"] = was[2]
+
+    return restore
+
+
 def short_message(error: BaseException) -> str:
     """The error's message on one line (an install command on a second line is kept)."""
     text = str(error).strip()

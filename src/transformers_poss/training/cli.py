@@ -217,6 +217,10 @@ def train(config: PosSTrainConfig, target, tokenizer, train_dataset, eval_datase
     args = config.training
     if eval_dataset is None or not len(eval_dataset):
         args.eval_strategy = "no"
+    if resolve_device(config.script.device) == "cpu":
+        args.dataloader_pin_memory = False  # pinned memory is for copies to a GPU: on a CPU torch only warns
+    if os.environ.get("POSS_NO_PROGRESS") == "1":
+        args.disable_tqdm = True  # `poss --no-progress`, or stderr is not a terminal
     draft = build_draft(config, target, train_dataset, tokenizer)
     trainer = PosSTrainer(model=draft, args=args, target=target, train_dataset=train_dataset,
                           eval_dataset=eval_dataset, processing_class=tokenizer)

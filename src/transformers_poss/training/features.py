@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
+from transformers.utils.logging import tqdm  # off with transformers' switch (`poss --no-progress`)
 
 from .feature_inputs import (PosSDataCollator, TargetFeatures, batch_to, check_feature_layout, describe_layers,
                              draft_feature_layers, draft_inputs)
