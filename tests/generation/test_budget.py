@@ -187,6 +187,7 @@ def test_auto_budget_chooses_the_drafting_depth(monkeypatch):
                           draft_step_seconds=5.0)
     monkeypatch.setattr(budget_module, "load_or_measure_profile", lambda *a, **k: profile)
     monkeypatch.setattr(TreeBudget, "should_fall_back", lambda self: False)
+    monkeypatch.setattr(TreeBudget, "plain_probe_due", lambda self: False)  # depths only: no plain probe rounds
     drafted = []
     original = PosSProposer.propose
 
@@ -254,3 +255,46 @@ def test_first_measurement_shows_a_progress_bar_over_its_points(tmp_path, monkey
     assert bar.total == points and bar.n == points
     assert quiet_factory is hf_logging.EmptyTqdm  # transformers' progress-bar switch is honoured
     assert "measuring verification cost t(n)" in capsys.readouterr().err
+
+
+def test_plain_probes_measure_the_speedup_and_decide_the_fall_back():
+    """Root-only probe rounds time a plain step in the call itself; the fall-back then follows what was measured,
+    not the profile (here the profile promises 2x, the measured rounds are slower than plain steps)."""
+    optimistic = _profile({1: 0.01, 8: 0.01}, draft=0.0)
+    budget = TreeBudget(optimistic, depth=3, max_nodes=8, warmup_rounds=2, plain_probes=(1,), plain_probe_every=4)
+    due = []
+    for _ in range(6):
+        due.append(budget.plain_probe_due())
+        if due[-1]:
+            budget.observe_plain(0.010, verify_seconds=0.009)
+            continue
+        budget.choose(torch.tensor([0.0, -0.1, -0.2, -0.3]), torch.tensor([0, 1, 2, 3]))
+        budget.observe(1)  # 2 tokens a round
+        budget.observe_seconds(0.030, verify_seconds=0.009, nodes=4)  # but drafting makes a round 3 plain steps
+    assert due == [False, True, False, False, True, False]
+    assert budget.predicted_speedup() > 1.5
+    assert abs(budget.measured_speedup() - 2 / 3) < 1e-9 and budget.should_fall_back()
+    # the profile's verification shape matched (every forward 0.9x of it): no reason to measure it again
+    assert abs(budget.profile_error() - 1.0) < 1e-9
+    assert TreeBudget(optimistic, depth=3, max_nodes=8).profile_error() is None  # nothing measured yet
+    # one-node forwards 5x cheaper than profiled, tree forwards as profiled: the shape is off
+    skewed = TreeBudget(optimistic, depth=3, max_nodes=8)
+    for _ in range(2):
+        skewed.observe_plain(0.002, verify_seconds=0.2)
+    skewed._last = (0.5, 1.0)
+    for _ in range(4):
+        skewed.observe(1)
+        skewed.observe_seconds(1.0, verify_seconds=1.0, nodes=4)
+    assert skewed.profile_error() == 5.0
+
+
+def test_a_profile_far_from_the_measured_costs_is_measured_again(tmp_path, monkeypatch):
+    from transformers_poss.generation import cost_profile
+
+    monkeypatch.setenv("POSS_CACHE", str(tmp_path))
+    profile = _profile({1: 1.0, 8: 1.0})
+    path = tmp_path / "costs" / f"{profile.key}.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(profile.to_json())
+    cost_profile.forget_profile(profile.key, "test")
+    assert not path.exists()

@@ -98,6 +98,8 @@ def test_greedy_identical_with_the_automatic_budget(monkeypatch, target):
 
     cheap = _profile({1: 1.0, 64: 1.2}, draft=0.05)  # a machine where trees pay: speculation goes on
     monkeypatch.setattr(budget_module, "load_or_measure_profile", lambda *a, **k: cheap)
+    # decisions from that profile alone (plain probe rounds would measure the tiny target, where nothing pays)
+    monkeypatch.setattr(budget_module.TreeBudget, "plain_probe_due", lambda self: False)
     draft = make_draft(target, depth=3, top_k=3)
     draft.generation_config.tree_total_tokens = "auto"
     draft.generation_config.tree_max_total_tokens = 12

@@ -26,6 +26,7 @@ def fall_back_after(monkeypatch):
     """``fall_back_after(n)``: the budget (flat measured costs) falls back once ``n`` rounds were verified; returns
     the list of input lengths `_sample` was called with to continue a cache (the hand-over)."""
     monkeypatch.setattr(budget_module, "load_or_measure_profile", lambda *a, **k: FLAT)
+    monkeypatch.setattr(TreeBudget, "plain_probe_due", lambda self: False)  # every round a tree round
     sample_calls = []
     original = GenerationMixin._sample
 

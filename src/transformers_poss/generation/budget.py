@@ -46,7 +46,8 @@ class TreeBudget:
 
     def __init__(self, profile: CostProfile, depth: int, max_nodes: int, warmup_rounds: int = 2,
                  min_speedup: float = 1.0, prior_weight: float = 2.0, calibrate: bool = True,
-                 allow_no_draft: bool = False, probe_every: int = 4):
+                 allow_no_draft: bool = False, probe_every: int = 4, plain_probes: tuple[int, ...] = (1, 3),
+                 plain_probe_every: int = 32):
         self.profile = profile
         self.depth = depth
         self.max_nodes = max_nodes
@@ -60,6 +61,13 @@ class TreeBudget:
         self.rounds = 0
         self.tokens = 0  # tokens produced by the observed rounds (accepted draft tokens + 1 each)
         self.predicted_seconds = 0.0  # their time under this machine's profile
+        self.measured_seconds = 0.0  # wall time of the observed rounds (drafting to cache update), when given
+        self.measured_tokens = 0
+        self.plain_seconds: list[float] = []  # wall time of root-only rounds: a plain decoding step measured now
+        self.plain_verify_ratios: list[float] = []  # measured / profiled t(1) of those rounds' target forwards
+        self.verify_ratios: list[float] = []  # measured / profiled t(n) of the speculative rounds' verifications
+        self.plain_probes, self.plain_probe_every = tuple(plain_probes), plain_probe_every
+        self.round_index = 0  # every round of the call, plain probes included
         self.chosen_depth = 0  # depth of the last round's kept nodes (0: root only)
         self.next_depth = depth  # depth to draft next round
         sizes = torch.arange(1, max_nodes + 1)
@@ -123,12 +131,56 @@ class TreeBudget:
 
     def observe(self, accepted_draft_tokens: int) -> None:
         """Update the calibration and the speed record with the round just verified (after `choose`)."""
-        raw, seconds = self._last
+        raw, predicted = self._last
         self.observed += accepted_draft_tokens
         self.predicted += raw
         self.rounds += 1
+        self.round_index += 1
         self.tokens += accepted_draft_tokens + 1
-        self.predicted_seconds += seconds
+        self.predicted_seconds += predicted
+        self._last_tokens = accepted_draft_tokens + 1
+
+    def observe_seconds(self, seconds: float, verify_seconds: float | None = None, nodes: int | None = None) -> None:
+        """The measured wall time of the round just observed (drafting to cache update), and of its verification of
+        ``nodes`` nodes (compared with the profile's t(n) by `profile_error`)."""
+        self.measured_seconds += seconds
+        self.measured_tokens += getattr(self, "_last_tokens", 1)
+        if verify_seconds is not None and nodes:
+            self.verify_ratios.append(verify_seconds / self.profile.verify(nodes))
+
+    def plain_probe_due(self) -> bool:
+        """Whether this round should be one plain decoding step (a root-only tree, nothing drafted): it measures what a
+        decode step costs on this machine now, under its present load and kernels, for `measured_speedup`."""
+        index = self.round_index
+        return index in self.plain_probes or (index > max(self.plain_probes, default=0)
+                                              and index % self.plain_probe_every == 0)
+
+    def observe_plain(self, seconds: float, verify_seconds: float | None = None) -> None:
+        """Record a plain probe round (one token in ``seconds``, its target forward in ``verify_seconds``)."""
+        self.plain_seconds.append(seconds)
+        if verify_seconds is not None:
+            self.plain_verify_ratios.append(verify_seconds / self.profile.verify(1))
+        self.round_index += 1
+
+    def measured_speedup(self) -> float | None:
+        """Tokens per second of the speculative rounds over the plain probe rounds, both measured in this call (None
+        until both exist). Unlike `predicted_speedup` it needs no cost profile, so a stale or mis-measured profile
+        (another machine, load while it was measured, a new kernel) cannot mislead the fall-back decision."""
+        if not self.plain_seconds or self.measured_seconds <= 0:
+            return None
+        plain = sorted(self.plain_seconds)[len(self.plain_seconds) // 2]
+        return (self.measured_tokens / self.measured_seconds) * plain
+
+    def profile_error(self) -> float | None:
+        """How far the profile's cost SHAPE is from this call's measurements (>= 1; None until measured): the
+        measured / profiled time of one-node forwards (plain probes) against that of the rounds' verifications.
+        Load that slows everything alike leaves it at 1 (the profile's ratios still hold); a profile measured under
+        load that came and went, on another machine or with another kernel moves it."""
+        if len(self.plain_verify_ratios) < 2 or len(self.verify_ratios) < 4:
+            return None
+        one = sorted(self.plain_verify_ratios)[len(self.plain_verify_ratios) // 2]
+        many = sorted(self.verify_ratios)[len(self.verify_ratios) // 2]
+        return max(one / many, many / one)
 
     def predicted_speedup(self) -> float:
         """Speed of the rounds so far over plain decoding on this machine: the tokens they actually produced per
@@ -140,8 +192,12 @@ class TreeBudget:
         return (self.tokens / self.predicted_seconds) / self.plain_rate
 
     def should_fall_back(self) -> bool:
-        """After the warm-up rounds: is speculation slower than plain decoding (`predicted_speedup`)?"""
-        return self.rounds >= self.warmup_rounds and self.predicted_speedup() < self.min_speedup
+        """After the warm-up rounds: is speculation slower than plain decoding? Measured in this call where plain
+        probe rounds exist (`measured_speedup`), else predicted from the profile (`predicted_speedup`)."""
+        if self.rounds < self.warmup_rounds:
+            return False
+        measured = self.measured_speedup()
+        return (measured if measured is not None else self.predicted_speedup()) < self.min_speedup
 
 
 # ---------------------------------------------------------------------------------------------------- replay

@@ -137,8 +137,10 @@ class PosSCandidateGenerator(CandidateGenerator):
             self.total_tokens = tree_setting(config, "tree_max_total_tokens", AUTO_MAX_NODES)
             profile = load_or_measure_profile(self.target, self.draft, top_k=self.top_k)
             # with context candidates the node scores are already calibrated per source (`hybrid.SourceEstimates`)
-            self.budget = TreeBudget(profile, depth=self.depth, max_nodes=self.total_tokens,
+            self.budget = TreeBudget(profile, depth=self.depth, max_nodes=self.total_tokens, warmup_rounds=4,
                                      calibrate=self.context is None, allow_no_draft=self.context is not None)
+        self._probe = False  # this round is a plain probe (root only, nothing drafted)
+        self._pending = None  # context pairs not yet given to the draft (accepted during plain probes)
 
     def _shape_tree(self, tree: DraftTree) -> DraftTree:
         """With an automatic budget, keep the nodes worth verifying on this machine and set the next drafting depth
@@ -159,6 +161,8 @@ class PosSCandidateGenerator(CandidateGenerator):
 
     def observe(self, tree: DraftTree, accepted) -> None:
         """Feed a verified round back: calibrates the automatic budget; records rounds when asked."""
+        if self._probe:
+            return
         if self.budget is not None and not self.fell_back:
             self.budget.observe(accepted.num_accepted)
         if self.context is not None and tree.sources is not None:
@@ -170,6 +174,30 @@ class PosSCandidateGenerator(CandidateGenerator):
 
             self.rounds.append(RoundRecord(depths=tree.depths.cpu(), scores=tree.scores.cpu(),
                                            path=accepted.path.cpu(), parents=tree.parents.cpu()))
+
+    PROFILE_TOLERANCE = 2.0  # profile shape vs measured: beyond this factor the cached profile is measured again
+    PROFILE_CHECK_MIN_SECONDS = 0.01  # below this t(1), host work dominates the loop's timings: no check
+
+    def check_profile(self) -> None:
+        """At the end of a call: when the profile predicted this call's speed-up badly (measured with plain probe
+        rounds), drop the cached profile so that the next call measures the machine as it is now."""
+        if self.budget is None or self.budget.profile.verify(1) < self.PROFILE_CHECK_MIN_SECONDS:
+            return
+        error = self.budget.profile_error()
+        if error is not None and error > self.PROFILE_TOLERANCE:
+            from .cost_profile import forget_profile
+
+            forget_profile(self.budget.profile.key, f"its t(n) / t(1) is {error:.1f}x off what this call measured")
+
+    def observe_seconds(self, seconds: float, verify_seconds: float | None = None, nodes: int | None = None) -> None:
+        """The measured wall time of the round just finished (drafting to cache update) and of its verification of
+        ``nodes`` nodes, for the budget."""
+        if self.budget is None or self.fell_back:
+            return
+        if self._probe:
+            self.budget.observe_plain(seconds, verify_seconds)
+        else:
+            self.budget.observe_seconds(seconds, verify_seconds, nodes)
 
     def get_candidates(
         self, input_ids: torch.LongTensor, new_tokens: torch.LongTensor = None, new_features: torch.Tensor = None
@@ -188,7 +216,16 @@ class PosSCandidateGenerator(CandidateGenerator):
         """
         if self.falls_back():  # the loop hands over to plain decoding; a root-only tree is a plain step
             return DraftTree.root_only(input_ids[0, -1]), None
-        tree = self.proposer.propose(new_tokens.to(self.device), new_features.to(self.device))
+        new_tokens, new_features = new_tokens.to(self.device), new_features.to(self.device)
+        if self._pending is not None:  # pairs accepted during plain probes: the draft reads them now
+            new_tokens = torch.cat([self._pending[0], new_tokens], dim=1)
+            new_features = torch.cat([self._pending[1], new_features], dim=1)
+            self._pending = None
+        self._probe = self.budget is not None and self.budget.plain_probe_due()
+        if self._probe:  # one plain decoding step, timed: what a step costs here now (budget.measured_speedup)
+            self._pending = (new_tokens, new_features)
+            return DraftTree.root_only(input_ids[0, -1]), None
+        tree = self.proposer.propose(new_tokens, new_features)
         if self.context is not None:
             tree = self.context.extend_single(tree, input_ids[0], self.total_tokens)
         return self._shape_tree(tree).to(input_ids.device), None

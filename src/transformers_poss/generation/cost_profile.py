@@ -22,9 +22,11 @@ from transformers.utils import logging
 
 from .._transformers_compat import attn_implementation
 
+logger = logging.get_logger(__name__)
+
 DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
-VERIFY_REPEATS = 5  # timed passes over the sizes (after one warm-up pass)
+VERIFY_REPEATS = 3  # timed passes over the sizes (after one warm-up pass); calls check the profile as they run
 
 
 @dataclass
@@ -251,9 +253,22 @@ def load_or_measure_profile(target, draft=None, top_k: int = 10, sizes=DEFAULT_S
     return profile
 
 
+def forget_profile(key: str, reason: str) -> None:
+    """Drop the cached profile ``key`` (file and memory), so that the next call measures it again."""
+    _UNCACHED.pop(key, None)
+    try:
+        path = os.path.join(cache_dir(), f"{key}.json")
+        if os.path.exists(path):
+            os.remove(path)
+    except OSError:
+        return
+    logger.info("cost profile %s no longer matches this machine (%s); it is measured again at the next call", key,
+                reason)
+
+
 # profiles measured in this process that could not be written to the cache folder (profile key -> profile)
 _UNCACHED: dict[str, CostProfile] = {}
 
 
-__all__ = ["DEFAULT_SIZES", "CostProfile", "cache_dir", "load_or_measure_profile", "measure_draft_seconds",
+__all__ = ["DEFAULT_SIZES", "CostProfile", "cache_dir", "forget_profile", "load_or_measure_profile", "measure_draft_seconds",
            "measure_verify_seconds", "profile_key", "usable_profile"]

@@ -97,7 +97,7 @@ def tree_assisted_decoding(
     new_tokens = torch.cat([input_ids[:, 1:], token[:, None]], dim=-1)
 
     while not emitter.finished and not candidate_generator.falls_back():
-        clock = time.perf_counter()
+        clock = round_start = time.perf_counter()
         tree, _ = candidate_generator.get_candidates(emitter.input_ids, new_tokens, new_features)
         budget = generation_config.max_length - emitter.input_ids.shape[1]
         tree = limit_tree_depth(tree, max(budget - 1, 0))
@@ -108,7 +108,8 @@ def tree_assisted_decoding(
         root_position = past_length if context_mask is None else int(context_mask.sum().item())
         logits, features = verify_tree(self, tree, cache, root_position, context_mask, feature_layers)
         logits = logits.to(dtype=torch.float32, device=input_ids.device)
-        stats.add_time("verification", time.perf_counter() - clock)
+        verify_seconds = time.perf_counter() - clock
+        stats.add_time("verification", verify_seconds)
 
         clock = time.perf_counter()
         accepted = accept_tree(tree, logits, emitter.input_ids, logits_processor, do_sample)
@@ -123,6 +124,7 @@ def tree_assisted_decoding(
         if context_mask is not None:
             context_mask = torch.cat([context_mask, context_mask.new_ones(accepted.path.shape[0])])
         stats.add_time("cache_update", time.perf_counter() - clock)
+        candidate_generator.observe_seconds(time.perf_counter() - round_start, verify_seconds, tree.num_nodes)
 
         emitter.emit(accepted.tokens, accepted.scores, logits[accepted.path])
         new_tokens = accepted.tokens[None]
@@ -130,6 +132,7 @@ def tree_assisted_decoding(
 
     stats.rounds = candidate_generator.rounds
     stats.fell_back_to_plain = candidate_generator.fell_back
+    candidate_generator.check_profile()
     if not emitter.finished:  # the budget fell back: transformers' own loop finishes the call
         return continue_with_stock_loop(self, emitter, stats, cache, input_ids.shape[1], logits_processor,
                                         stopping_criteria, generation_config, synced_gpus, streamer, model_kwargs)
