@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from ..configuration_poss import DEFAULT_TREE_SHAPE
 from ..generation.batched import batch_total_tokens
 from .methods import tree_shape
 from .runtime import synchronize
@@ -116,7 +117,12 @@ def run_batched(model, prompts, drafts: dict, settings, batch_sizes, pad_token_i
                 config = drafts[name].generation_config
                 total_tokens = shape.get("total_tokens") or config.tree_total_tokens
                 top_k = shape.get("top_k") or config.tree_top_k
-                if isinstance(total_tokens, int):
+                if total_tokens == "auto" and batch_size > 1 and next(model.parameters()).device.type == "cpu":
+                    entry["tree_total_tokens_per_row"] = "plain (auto)"  # the budget decodes CPU batches plainly
+                elif total_tokens == "auto":
+                    entry["tree_total_tokens_per_row"] = batch_total_tokens(DEFAULT_TREE_SHAPE["tree_total_tokens"],
+                                                                            top_k, batch_size)
+                else:
                     entry["tree_total_tokens_per_row"] = batch_total_tokens(total_tokens, top_k, batch_size)
             entries.append(entry)
     return {"batch_sizes": list(batch_sizes), "results": entries, "acceptance_convention": ACCEPTANCE_NOTE}
