@@ -179,7 +179,9 @@ class PosSDraftModel(PosSPreTrainedModel):
         head = self._target_lm_head
         cached = self.__dict__.get("_int8_head")
         if cached is None or cached[0] is not head.weight_int8_t:
-            cached = (head.weight_int8_t, head.select_rows(self.draft_to_target))
+            rows = head.select_rows(self.draft_to_target)
+            rows.per_token = False  # one fbgemm call per step: the draft only proposes
+            cached = (head.weight_int8_t, rows)
             self.__dict__["_int8_head"] = cached
         return cached[1]
 

@@ -97,3 +97,30 @@ def test_long_prompts_attend_in_chunks_with_the_same_bits(monkeypatch):
     assert torch.equal(whole, chunked)
     causal = torch.ones(40, 40, dtype=torch.bool).tril()[None, None]
     assert torch.equal(exact_attention.exact_attention_forward(None, query, key, value, causal)[0], whole)
+
+
+def test_a_quantized_draft_runs_one_operator_per_linear_and_stays_close():
+    """Drafts get per-call activation scales (one fbgemm call per linear); targets keep per-token scales."""
+    from torch.profiler import profile
+
+    from transformers_poss import PosSDraftConfig, PosSDraftModel
+
+    target = quantize_int8(tiny_llama_target())
+    assert all(m.per_token for m in target.modules() if isinstance(m, Int8Linear))
+    draft = PosSDraftModel(PosSDraftConfig.for_target(target.config, num_specialists=1, positions_per_specialist=1))
+    reference = copy.deepcopy(draft)
+    quantize_int8(draft)
+    layers = [m for m in draft.modules() if isinstance(m, Int8Linear)]
+    if not kernels.fbgemm_available():
+        pytest.skip("this torch build has no fbgemm: drafts keep per-token scales")
+    assert layers and not any(m.per_token for m in layers)
+    linear = layers[0]
+    x = torch.randn(4, linear.in_features)
+    linear(x)  # packs the weight once
+    with profile() as prof:
+        out = linear(x)
+    ops = [e.name for e in prof.events() if e.cpu_parent is None]
+    assert ops.count("quantized::linear_dynamic") == 1 and len(ops) <= 4, ops
+    name = next(n for n, m in draft.named_modules() if m is linear)
+    exact = dict(reference.named_modules())[name](x)
+    assert (out - exact).norm() / exact.norm() < 0.03

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import types
+import warnings
 
 import torch
 from torch import nn
@@ -72,6 +73,8 @@ class Int8Linear(nn.Module):
         bias (`torch.Tensor` of shape `[out]`, *optional*): kept in float32.
     """
 
+    per_token = True  # False: one fbgemm call with one activation scale per call (drafts: they only propose)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         weight = weight.detach().float()
@@ -96,6 +99,7 @@ class Int8Linear(nn.Module):
         rows.register_buffer("weight_int8_t", self.weight_int8_t[:, index].contiguous())
         rows.register_buffer("weight_scale", self.weight_scale[index].clone())
         rows.register_buffer("bias", None if self.bias is None else self.bias[index].clone())
+        rows.per_token = self.per_token
         return rows
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -103,9 +107,14 @@ class Int8Linear(nn.Module):
         return self.weight_int8_t.t().float() * self.weight_scale[:, None]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[..., in]` -> `[..., out]` in the input's dtype; rows never influence each other."""
+        """`[..., in]` -> `[..., out]` in the input's dtype; rows never influence each other (unless ``per_token`` is
+        False: then one fbgemm call quantizes all rows with one scale, fewer operators for a draft's small steps)."""
         fused = self.__dict__.get("_fused")
-        if fused is not None and fused.is_current():
+        if not self.per_token and self.weight_int8_t.device.type == "cpu" and fbgemm_available():
+            reduce_range = not fbgemm_available("fbgemm8")  # 7-bit activations where 8-bit ones could saturate
+            out = torch.ops.quantized.linear_dynamic(hidden.reshape(-1, self.in_features).float(),
+                                                     self._dynamic_packed(), reduce_range)
+        elif fused is not None and fused.is_current():
             out = fused.output(self, hidden)
         else:
             rows = quantize_input(hidden, self.in_features)
@@ -129,10 +138,25 @@ class Int8Linear(nn.Module):
             self.__dict__["_kernel"] = state
         return state
 
+    def _dynamic_packed(self):
+        """fbgemm's packed weight with the per-channel scales and the bias, for ``per_token=False`` (built once)."""
+        weight = self.weight_int8_t
+        cached = self.__dict__.get("_dynamic")
+        if cached is None or cached[0] is not weight or cached[1] != weight._version:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch marks its quantized tensor API as deprecated
+                qweight = torch._make_per_channel_quantized_tensor(
+                    weight.t().contiguous(), self.weight_scale.double(),
+                    torch.zeros_like(self.weight_scale, dtype=torch.long), 0)
+                packed = torch.ops.quantized.linear_prepack(qweight, self.bias)
+            cached = (weight, weight._version, packed)
+            self.__dict__["_dynamic"] = cached
+        return cached[2]
+
     def __getstate__(self):  # copies and pickles rebuild the kernel state (and run unfused) instead of carrying it
         state = self.__dict__.copy()
-        state.pop("_kernel", None)
-        state.pop("_fused", None)
+        for name in ("_kernel", "_fused", "_dynamic"):
+            state.pop(name, None)
         return state
 
     def extra_repr(self) -> str:
@@ -251,7 +275,8 @@ def has_int8_activations(model: nn.Module) -> bool:
     return any(isinstance(m, Int8Linear) for m in model.modules())
 
 
-def quantize_int8(model: nn.Module, include_lm_head: bool = True, exact_attention: bool | None = None) -> nn.Module:
+def quantize_int8(model: nn.Module, include_lm_head: bool = True, exact_attention: bool | None = None,
+                  per_token: bool | None = None) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` by an [`Int8Linear`] in place (CPU only); returns ``model``.
 
     Embeddings and norms stay in float32. A tied output head gets its own int8 copy (the embedding is unchanged).
@@ -261,6 +286,9 @@ def quantize_int8(model: nn.Module, include_lm_head: bool = True, exact_attentio
         exact_attention: switch the model to ``attn_implementation="poss_exact"`` (see `exact_attention`), which a
             target with int8 activations needs for lossless speculation. Default: yes for transformers models
             other than PosS drafts (a draft only proposes, so it keeps its own attention).
+        per_token: per-token activation scales, so a token's outputs never depend on the tokens computed beside it
+            (what a target verified in trees needs). Default: yes except for PosS drafts, whose linears then run as
+            one fbgemm call each (one activation scale per call), which cuts a draft step's operators several-fold.
     """
     if getattr(model, "_poss_quantized", None):
         return model
@@ -269,18 +297,23 @@ def quantize_int8(model: nn.Module, include_lm_head: bool = True, exact_attentio
         raise ValueError(f"int8 quantization here runs on the CPU only; the model is on {device}. Use bf16 on GPUs.")
     if model.dtype != torch.float32:
         model.float()
+    config = getattr(model, "config", None)
+    is_draft = config is not None and getattr(config, "model_type", None) == "poss_draft"
+    per_token = (not is_draft or not fbgemm_available()) if per_token is None else per_token
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and (include_lm_head or child is not head):
-                setattr(parent, name, Int8Linear.from_linear(child))
-    fuse_projections(model)
+                quantized = Int8Linear.from_linear(child)
+                quantized.per_token = per_token
+                setattr(parent, name, quantized)
+    if per_token:
+        fuse_projections(model)
     # the kernels available here key cost profiles (the per-shape choice is timed at first use)
-    model._poss_quantized = f"int8/v{KERNEL_VERSION}/" + "+".join(available_kernels())
+    model._poss_quantized = f"int8/v{KERNEL_VERSION}/" + "+".join(available_kernels()) + ("" if per_token else "/dynamic")
     model.save_pretrained = types.MethodType(_refuse_save, model)
-    config = getattr(model, "config", None)
     if exact_attention is None:
-        exact_attention = config is not None and getattr(config, "model_type", None) != "poss_draft"
+        exact_attention = config is not None and not is_draft
     if exact_attention:
         from .exact_attention import use_exact_attention
 
