@@ -112,8 +112,11 @@ class Int8Linear(nn.Module):
         fused = self.__dict__.get("_fused")
         if not self.per_token and self.weight_int8_t.device.type == "cpu" and fbgemm_available():
             reduce_range = not fbgemm_available("fbgemm8")  # 7-bit activations where 8-bit ones could saturate
-            out = torch.ops.quantized.linear_dynamic(hidden.reshape(-1, self.in_features).float(),
-                                                     self._dynamic_packed(), reduce_range)
+            rows = hidden if hidden.dim() == 2 else hidden.reshape(-1, self.in_features)
+            rows = rows if rows.dtype == torch.float32 else rows.float()
+            out = torch.ops.quantized.linear_dynamic(rows, self._dynamic_packed(), reduce_range)
+            if hidden.dim() == 2 and out.dtype == hidden.dtype:
+                return out
         elif fused is not None and fused.is_current():
             out = fused.output(self, hidden)
         else:
