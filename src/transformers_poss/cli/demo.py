@@ -1,13 +1,13 @@
-"""`poss demo`: tree speculation with the shipped draft on the embedded SmolLM2 target, side by side with plain
-greedy decoding.
+"""`poss demo`: the shipped draft on the embedded SmolLM2 target, every step of the CPU fast path side by side.
 
-Streams the speculative answers as they are accepted, then prints plain vs speculative tokens/s, the speed-up, the
-mean acceptance length and whether every output is token-identical to plain greedy decoding.
+For each prompt: plain float32 greedy decoding, plain int8 decoding (lossless: the exact int8 path) and int8 with
+tree speculation, streamed as it is accepted; then tokens/s and the speed-up of each step, whether speculation's
+output is token-identical to plain decoding of the same model, and, when speculation loses on a prompt, why.
+``--quantize none`` compares plain and speculative float32 only.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -18,11 +18,13 @@ import torch
 from .errors import positive_int
 
 DEFAULT_DRAFT = "poss-smollm2-135m-instruct"
+# prompts with answers of a paragraph or more: speculation pays per round, so a one-line answer cannot show it
 DEMO_PROMPTS = (
-    "What is the capital of France? Answer in one sentence.",
-    "Give me three tips for staying focused while studying.",
     "Explain what a hash table is to a beginner programmer.",
+    "Give me three tips for staying focused while studying, with one sentence on each.",
+    "Write a short story about a robot who learns to paint.",
 )
+MIN_POSITION_ROUNDS = 10  # a position-wise rate from fewer rounds is shown as a count only
 
 
 def shipped_draft_path(name: str = DEFAULT_DRAFT) -> Path | None:
@@ -42,8 +44,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=96)
     parser.add_argument("--threads", type=positive_int, default=None)
     parser.add_argument("--quantize", choices=["none", "int8"], default="int8",
-                        help="int8 (default): the lossless CPU fast path for target and draft, plain decoding included "
-                             "(docs/budget.md); none: float32")
+                        help="int8 (default): plain fp32, plain int8 and int8 with speculation side by side (the exact "
+                             "int8 path is lossless, docs/budget.md); none: plain and speculative float32 only")
     parser.add_argument("--no-stream", action="store_true", help="do not stream the answers")
 
 
@@ -64,6 +66,34 @@ def _time(fn):
     return out, time.perf_counter() - start
 
 
+def drafted_rounds(stats) -> int:
+    """Rounds that verified at least one draft token (plain steps after a hand-over excluded)."""
+    return stats.position_proposed[0] if stats.position_proposed else 0
+
+
+def loss_reason(stats, speedup: float) -> str | None:
+    """One line on why speculation lost on a prompt (None when it won)."""
+    if speedup >= 1.0:
+        return None
+    if getattr(stats, "fell_back_to_plain", False):
+        return ("the automatic budget measured that rounds did not pay on this machine and handed the rest of the "
+                "answer to plain decoding (its measuring rounds cost the difference)")
+    length = stats.mean_acceptance_length
+    if drafted_rounds(stats) < MIN_POSITION_ROUNDS:
+        return f"only {drafted_rounds(stats)} speculative rounds: too short an answer to pay for the draft's set-up"
+    return (f"{length:.2f} tokens per target forward: too few draft tokens accepted on this text to pay for "
+            "drafting and verifying the tree")
+
+
+def position_line(stats, count: int = 6) -> str:
+    """Position-wise acceptance with its counts: ``rate (accepted/reached)``; a count only below 10 rounds."""
+    parts = []
+    for accepted, reached in list(zip(stats.position_accepted, stats.position_proposed))[:count]:
+        rate = f"{accepted / reached:.2f} " if reached >= MIN_POSITION_ROUNDS else ""
+        parts.append(f"{rate}({accepted}/{reached})")
+    return ", ".join(parts) if parts else "no draft tokens proposed"
+
+
 def run(args) -> int:
     import transformers_poss  # noqa: F401  (makes generate() tree-aware)
     from transformers import TextStreamer
@@ -77,18 +107,20 @@ def run(args) -> int:
         print(f"No draft found: the shipped {DEFAULT_DRAFT} is not installed; pass --draft FOLDER.", file=sys.stderr)
         return 2
     check_arguments(args, str(draft_path))
-    print(f"target: {args.target}   draft: {draft_path}", flush=True)
-    target, tokenizer = load_target(args.target)
-    target = quantized(target, args.quantize)
+    int8 = args.quantize == "int8"
+    print(f"target: {args.target}   draft: {draft_path}   precision: "
+          + ("float32 and int8 (the exact int8 path: lossless)" if int8 else "float32"), flush=True)
+    fp32, tokenizer = load_target(args.target)
+    target = quantized(load_target(args.target)[0], "int8") if int8 else fp32
     draft = quantized(load_draft(str(draft_path), target), args.quantize)
     gen = draft.generation_config
     print(f"tree: depth {gen.tree_depth}, top-k {gen.tree_top_k}, {gen.tree_total_tokens} nodes; "
           f"threads {torch.get_num_threads()}\n", flush=True)
     chat = uses_chat_template(args.target, tokenizer)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    # warm-up, untimed
-    ids, mask = encode_prompt(tokenizer, "Hello!", chat)
-    target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    ids, mask = encode_prompt(tokenizer, "Hello!", chat)  # warm-up, untimed
+    for model in {id(fp32): fp32, id(target): target}.values():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, assistant_model=draft)
 
     rows, identical = [], 0
@@ -99,30 +131,51 @@ def run(args) -> int:
         spec, t_spec = _time(lambda: target.generate(input_ids=ids, attention_mask=mask, assistant_model=draft,
                                                      streamer=streamer, return_dict_in_generate=True, **kwargs))
         plain, t_plain = _time(lambda: target.generate(input_ids=ids, attention_mask=mask, **kwargs))
+        base, t_base = _time(lambda: fp32.generate(input_ids=ids, attention_mask=mask, **kwargs)) if int8 else (
+            plain, t_plain)
         if args.no_stream:
             print(tokenizer.decode(spec.sequences[0, ids.shape[1]:], skip_special_tokens=True))
         same = torch.equal(spec.sequences, plain)
         identical += same
         new = spec.sequences.shape[1] - ids.shape[1]
-        rows.append((new / t_plain, new / t_spec, t_plain / t_spec, spec.acceptance))
-        print(f"  [{new} tokens | plain {new / t_plain:.1f} tok/s | speculative {new / t_spec:.1f} tok/s | "
-              f"speed-up {t_plain / t_spec:.2f}x | mean acceptance length {spec.acceptance.mean_acceptance_length:.2f}"
-              f" | identical to plain greedy: {'yes' if same else 'NO'}]", flush=True)
-        if getattr(spec.acceptance, "fell_back_to_plain", False):
-            print("  (automatic budget: after its warm-up rounds speculation was predicted not to pay on this machine, "
-                  "so the rest of this answer ran as plain decoding)", flush=True)
+        speedup = t_plain / t_spec
+        rows.append(dict(base=(base.shape[1] - ids.shape[1]) / t_base, plain=new / t_plain, spec=new / t_spec,
+                         quant=t_base / t_plain if int8 else None, speedup=speedup, total=t_base / t_spec,
+                         stats=spec.acceptance))
+        name = "int8" if int8 else "fp32"
+        steps = (f"plain fp32 {rows[-1]['base']:.1f} tok/s | plain int8 {new / t_plain:.1f} tok/s "
+                 f"({rows[-1]['quant']:.2f}x) | " if int8 else f"plain {name} {new / t_plain:.1f} tok/s | ")
+        print(f"  [{new} tokens | {steps}{name} + speculation {new / t_spec:.1f} tok/s (speed-up {speedup:.2f}x"
+              + (f", {rows[-1]['total']:.2f}x over fp32" if int8 else "") + ") | mean acceptance length "
+              f"{spec.acceptance.mean_acceptance_length:.2f} | identical to plain greedy: {'yes' if same else 'NO'}]",
+              flush=True)
+        if int8 and not torch.equal(base[:, : plain.shape[1]], plain[:, : base.shape[1]]):
+            print("  (int8 and fp32 answers differ in wording: each is exact for its own precision)", flush=True)
+        reason = loss_reason(spec.acceptance, speedup)
+        if reason:
+            print(f"  speculation lost here: {reason}", flush=True)
         print(flush=True)
+    return _summary(rows, identical, int8)
 
-    merged = rows[0][3]
+
+def _summary(rows: list[dict], identical: int, int8: bool) -> int:
+    merged = rows[0]["stats"]
     for row in rows[1:]:
-        merged = merged.merge(row[3])
+        merged = merged.merge(row["stats"])
+    median = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     print("summary (medians over prompts):")
-    print(f"  plain greedy     {statistics.median(r[0] for r in rows):6.1f} tokens/s")
-    print(f"  tree speculation {statistics.median(r[1] for r in rows):6.1f} tokens/s")
-    print(f"  speed-up         {statistics.median(r[2] for r in rows):6.2f}x")
-    print(f"  mean acceptance length {merged.mean_acceptance_length:.2f} tokens per target forward (bonus token included)")
-    accept = ", ".join(f"{a:.2f}" for a in merged.position_acceptance[:6])
-    print(f"  position-wise acceptance (positions 1..): {accept}")
+    if int8:
+        print(f"  plain fp32               {median('base'):6.1f} tokens/s")
+        print(f"  plain int8               {median('plain'):6.1f} tokens/s   {median('quant'):.2f}x over fp32")
+        print(f"  int8 + tree speculation  {median('spec'):6.1f} tokens/s   {median('speedup'):.2f}x over plain int8, "
+              f"{median('total'):.2f}x over fp32")
+    else:
+        print(f"  plain greedy     {median('plain'):6.1f} tokens/s")
+        print(f"  tree speculation {median('spec'):6.1f} tokens/s")
+        print(f"  speed-up         {median('speedup'):6.2f}x")
+    print(f"  mean acceptance length {merged.mean_acceptance_length:.2f} tokens per target forward (bonus token "
+          f"included), {drafted_rounds(merged)} speculative rounds")
+    print(f"  position-wise acceptance, rate (accepted/rounds that reached it), positions 1..: {position_line(merged)}")
     print(f"  outputs identical to plain greedy: {identical}/{len(rows)}"
-          + (" (int8 target and draft: the lossless CPU fast path)" if args.quantize == "int8" else ""))
+          + (" (int8 + speculation against plain int8: the lossless CPU fast path)" if int8 else ""))
     return 0 if identical == len(rows) else 1
