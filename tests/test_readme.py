@@ -86,6 +86,7 @@ def test_yaml_block_parses(page, code):
 @pytest.mark.parametrize("page, code", _cases("python"))
 def test_python_block_runs(page, code, tmp_path, monkeypatch):
     pytest.importorskip("gguf")
+    (tmp_path / "drafts").symlink_to(ROOT / "drafts")
     monkeypatch.chdir(tmp_path)  # files a block writes land in a scratch folder
     source = code if page == README else PRELUDE + code
     exec(compile(source, f"{page.name} block", "exec"), {"__name__": "docs_example"})
