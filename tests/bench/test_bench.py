@@ -10,6 +10,7 @@ from helpers import save_tiny_target, tiny_llama, write_questions
 from transformers_poss import cli
 from transformers_poss.cli import bench as bench_cli
 from transformers_poss.bench import build_report, finish, load_questions, mismatch_report, render, run_methods
+from transformers_poss.bench.run import partial_note
 from transformers_poss.bench.methods import (GenerationSettings, Method, MethodResult, Prompt, baseline_method,
                                              prompt_lookup_method, record_candidate_rounds, result_from_generate)
 from transformers_poss.bench.metrics import (PromptRecord, first_mismatch, position_acceptance, position_rounds,
@@ -447,3 +448,56 @@ def test_plain_decoding_after_a_fallback_is_reported(model, prompts, monkeypatch
     column = rows["method"].index("plain %")
     assert rows["auto"][column] == f"{plain['share']:.0%}"
     assert rows["baseline"][column] == rows["fixed"][column] == "-"
+
+
+def _scripted(name, fail_on=None, interrupt_on=None):
+    def run(prompt, settings):
+        if prompt.question_id == fail_on:
+            raise RuntimeError(f"out of memory on question {fail_on}")
+        if prompt.question_id == interrupt_on:
+            raise KeyboardInterrupt
+        return MethodResult([1] * settings.max_new_tokens)
+    return Method(name, run)
+
+
+def test_a_failing_prompt_is_left_out_and_named(prompts, caplog):
+    outcome = {}
+    methods = [_scripted("baseline"), _scripted("a", fail_on=1)]
+    records = run_methods(prompts, methods, GenerationSettings(4), progress=False, warmup=0, outcome=outcome)
+    assert [r.prompt.question_id for r in records["baseline"]] == [0, 2] == [r.prompt.question_id for r in records["a"]]
+    assert outcome["completed"] == 2 and outcome["total"] == 3 and not outcome["interrupted"]
+    assert outcome["failed"] == [{"question_id": 1, "method": "a", "error": "out of memory on question 1"}]
+    assert any("prompt 1 failed with a" in r.getMessage() for r in caplog.records)
+    assert partial_note(outcome)["completed_prompts"] == 2
+
+
+def test_an_interrupted_run_keeps_the_complete_prompts(prompts):
+    outcome = {}
+    methods = [_scripted("baseline"), _scripted("a", interrupt_on=2)]
+    records = run_methods(prompts, methods, GenerationSettings(4), progress=False, warmup=0, outcome=outcome)
+    assert len(records["baseline"]) == len(records["a"]) == 2
+    assert outcome["interrupted"] and outcome["completed"] == 2
+    complete = {"completed": 3, "total": 3, "failed": [], "interrupted": False}
+    assert partial_note(complete) is None
+
+
+def test_cli_bench_writes_a_partial_report_and_says_so(tiny_target_dir, tmp_path, monkeypatch, capsys):
+    from transformers_poss.bench import run as bench_run
+
+    questions = write_questions(tmp_path / "q.jsonl", 3, "x")
+    out = tmp_path / "report.json"
+    original = bench_run.timed_run
+
+    def interrupted(method, prompt, *args, **kwargs):
+        if prompt.question_id == 2:
+            raise KeyboardInterrupt
+        return original(method, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(bench_run, "timed_run", interrupted)
+    status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", questions, "--num-prompts", "3",
+                       "--max-new-tokens", "4", "--threads", "1", "--output", str(out), "--no-progress",
+                       "--no-plots", "--no-prompt-lookup"])
+    assert status == 130
+    report = json.loads(out.read_text())
+    assert report["partial"]["completed_prompts"] == 2 and report["partial"]["interrupted"]
+    assert "partial report" in capsys.readouterr().err

@@ -152,32 +152,68 @@ def warm_up(prompts: list[Prompt], methods: list[Method], settings: GenerationSe
 
 
 def run_methods(prompts: list[Prompt], methods: list[Method], settings: GenerationSettings, seed: int = 0,
-                warmup: int = 1, device=None, progress: bool = True) -> dict[str, list[PromptRecord]]:
+                warmup: int = 1, device=None, progress: bool = True,
+                outcome: dict | None = None) -> dict[str, list[PromptRecord]]:
     """Run all methods on all prompts, interleaved prompt by prompt, and compare each with the baseline.
 
     The method order rotates by one per prompt so no method is always first (or always after another). The method
     named ``baseline`` is the reference for equality and speed-up. Each call starts from the same seed.
     Progress: transformers' tqdm (off with ``progress=False`` or transformers' progress-bar switch).
+
+    A prompt on which a method fails is left out for every method (the error is logged and listed), and an
+    interruption (Ctrl-C) stops the run after the last complete prompt: the records then hold the complete prompts
+    only, and ``outcome`` (a dict, filled in when given) says ``completed`` / ``total`` prompts, the ``failed`` ones
+    (question id, method, error) and whether the run was ``interrupted``.
     """
     names = [m.name for m in methods]
     if "baseline" not in names or len(set(names)) != len(names):
         raise ValueError(f"method names must be unique and include 'baseline', got {names}")
+    outcome = {} if outcome is None else outcome
+    outcome.update(completed=0, total=len(prompts), failed=[], interrupted=False)
     if warmup:
         warm_up(prompts[:warmup], methods, settings)
     records = {name: [] for name in names}
     bar = logging.tqdm(total=len(prompts) * len(methods), desc="poss bench", unit="run", disable=not progress)
-    for index, prompt in enumerate(prompts):
-        shift = index % len(methods)
-        for method in methods[shift:] + methods[:shift]:
-            record = timed_run(method, prompt, settings, seed + index, device)
-            records[method.name].append(record)
-            bar.set_postfix_str(f"q{prompt.question_id} {method.name}: {record.tokens_per_s:.1f} tok/s")
-            bar.update()
-        reference = records["baseline"][-1]
+    try:
+        for index, prompt in enumerate(prompts):
+            shift = index % len(methods)
+            done = len(records["baseline"])
+            method = None
+            try:
+                for method in methods[shift:] + methods[:shift]:
+                    record = timed_run(method, prompt, settings, seed + index, device)
+                    records[method.name].append(record)
+                    bar.set_postfix_str(f"q{prompt.question_id} {method.name}: {record.tokens_per_s:.1f} tok/s")
+                    bar.update()
+            except Exception as error:  # one prompt failing: keep the others, say which and why
+                for name in names:
+                    del records[name][done:]
+                message = " ".join(str(error).split())[:300] or type(error).__name__
+                outcome["failed"].append({"question_id": prompt.question_id, "method": method.name, "error": message})
+                logger.error("prompt %s failed with %s (%s); it is left out of the report", prompt.question_id,
+                             method.name, message)
+                continue
+            reference = records["baseline"][-1]
+            for name in names:
+                compare_with_baseline(records[name][-1], reference)
+            outcome["completed"] += 1
+    except KeyboardInterrupt:
+        done = outcome["completed"]
         for name in names:
-            compare_with_baseline(records[name][-1], reference)
-    bar.close()
+            del records[name][done:]
+        outcome["interrupted"] = True
+        logger.warning("interrupted: the report holds the %d prompt(s) completed before", done)
+    finally:
+        bar.close()
     return records
+
+
+def partial_note(outcome: dict) -> dict | None:
+    """The report's ``partial`` entry when not every prompt completed (None when all did)."""
+    if outcome.get("completed") == outcome.get("total") and not outcome.get("failed"):
+        return None
+    return {"completed_prompts": outcome["completed"], "total_prompts": outcome["total"],
+            "interrupted": outcome["interrupted"], "failed": outcome["failed"]}
 
 
 # ------------------------------------------------------------------------------------------------------------- report

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
 
 from ..bench.methods import (GenerationSettings, assistant_method, baseline_method, draft_method,
                              prompt_lookup_method)
-from ..bench.run import (build_report, bundled_questions, finish, load_questions, make_prompts, render,
-                         run_methods)
+from ..bench.run import (build_report, bundled_questions, finish, load_questions, make_prompts, partial_note,
+                         render, run_methods)
 from ..bench.runtime import environment
 from ..checks import check_device, check_writable, require_local_path
 from .errors import (int_list, non_negative_int, positive_int, probability, temperature, tree_total_tokens,
@@ -191,11 +192,26 @@ def run(args) -> int:
         return run_batch_sizes(args, target, tokenizer, prompts, chat, device)
     methods = build_methods(args, target)
     settings = GenerationSettings(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
+    outcome = {}
     records = run_methods(prompts, methods, settings, seed=args.seed, warmup=args.warmup, device=device,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, outcome=outcome)
+    if not records["baseline"]:
+        raise ValueError("no prompt completed" + (" before the interruption" if outcome["interrupted"] else
+                                                 f": every prompt failed (first: {outcome['failed'][0]['error']})")
+                         + "; nothing to report.")
     report = build_report(records, methods, settings_record(args, chat, target), environment(device))
+    partial = partial_note(outcome)
+    if partial is not None:
+        report["partial"] = partial
     print(render(report))
-    return finish(report, args.output, plots=not args.no_plots, greedy=settings.greedy, exact=is_bit_exact(target))
+    status = finish(report, args.output, plots=not args.no_plots, greedy=settings.greedy, exact=is_bit_exact(target))
+    if partial is not None:
+        where = f" in {args.output}" if args.output else ""
+        reason = "interrupted" if partial["interrupted"] else f"{len(partial['failed'])} prompt(s) failed"
+        print(f"partial report{where}: {partial['completed_prompts']} of {partial['total_prompts']} prompts "
+              f"({reason})", file=sys.stderr)
+        return status or (130 if partial["interrupted"] else 1)
+    return status
 
 
 def run_batch_sizes(args, target, tokenizer, prompts, chat: bool, device) -> int:
