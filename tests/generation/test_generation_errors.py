@@ -113,3 +113,14 @@ def test_corrupt_cost_profile_is_measured_again_with_a_warning(tmp_path, monkeyp
     assert budget.usable_profile(budget.CostProfile.from_json(open(path).read()))  # the cache was rewritten
 
 
+
+
+@pytest.mark.parametrize("settings, named", [({"guidance_scale": 1.5}, "guidance_scale=1.5"),
+                                             ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences"),
+                                             ({"num_beams": 2}, "num_beams=2")])
+def test_options_that_change_the_batch_are_refused_before_any_work(target, settings, named):
+    """Options that run more rows than the prompts (guidance's unconditional batch, returned sequences, beams)."""
+    draft = tiny_draft(target)
+    ids = torch.randint(3, 100, (1, 5))
+    with pytest.raises(ValueError, match=named):
+        target.generate(ids, assistant_model=draft, max_new_tokens=4, **settings)

@@ -55,6 +55,11 @@ def check_generation_config(model, draft, generation_mode, generation_config) ->
             f"A PosS draft supports greedy decoding and sampling only, but these settings select {generation_mode} "
             f"(num_beams={generation_config.num_beams}). Use num_beams=1 or drop assistant_model."
         )
+    if getattr(generation_config, "guidance_scale", None) not in (None, 1, 1.0):
+        raise ValueError(
+            f"guidance_scale={generation_config.guidance_scale} (classifier-free guidance) runs a second, unconditional "
+            "batch beside the prompts, which tree verification cannot carry. Drop guidance_scale or assistant_model."
+        )
     if generation_config.num_return_sequences not in (None, 1):
         raise ValueError(
             f"num_return_sequences must be 1 with a PosS draft, got {generation_config.num_return_sequences}."
