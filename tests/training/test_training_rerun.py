@@ -62,3 +62,25 @@ def test_rerun_on_the_command_line_is_a_short_error(tmp_path, capsys):
                  "--num_specialists", "2", "--positions_per_specialist", "4", "--use_cpu", "true"])
     err = capsys.readouterr().err
     assert code == 2 and "of another draft" in err and "Traceback" not in err
+
+
+def test_an_interrupted_run_says_what_it_kept(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during `poss train`: the data, features and newest complete checkpoint it leaves are named."""
+    import transformers_poss.cli as cli
+    from transformers_poss.training import cli as train_cli
+
+    out = tmp_path / "run"
+    (out / "data").mkdir(parents=True)
+    (out / "data" / "conversations.jsonl").write_text('{"id": 0, "messages": []}\n{"id": 1, "messages": []}\n')
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
+
+    def stopped(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_cli, "run", stopped)
+    status = cli.main(["train", "--target", "smollm2-135m-instruct", "--train", str(data), "--output_dir", str(out)])
+    assert status == 130
+    err = capsys.readouterr().err
+    assert "2 line(s) in" in err and "conversations.jsonl" in err and "no complete checkpoint yet" in err
+    assert "Run the same command again to resume" in err

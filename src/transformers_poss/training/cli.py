@@ -56,8 +56,32 @@ def main(argv: list[str]) -> int:
         status = run(config)
         _wait_for_every_rank()
         return status
+    except KeyboardInterrupt:
+        logger.warning("interrupted; kept: %s. Run the same command again to resume from there.", kept_work(config))
+        raise
     finally:
         _end_process_group()
+
+
+def kept_work(config: PosSTrainConfig) -> str:
+    """What a stopped run leaves behind, in words: the generated data files and the newest complete checkpoint."""
+    from .checkpoints import last_complete_checkpoint
+    from .distill import read_jsonl
+
+    kept = []
+    out_dir = Path(config.data.distill_dir or Path(config.training.output_dir) / "data")
+    for name in ("prompts.jsonl", "conversations.jsonl"):
+        path = out_dir / name
+        if path.is_file():
+            kept.append(f"{len(read_jsonl(path))} line(s) in {path}")
+    features = Path(config.script.features_dir or Path(config.training.output_dir) / "features")
+    if features.is_dir():
+        kept.append(f"{sum(1 for _ in features.rglob('*.safetensors'))} feature shard(s) in {features}")
+    output_dir = config.training.output_dir
+    checkpoint = last_complete_checkpoint(output_dir, quarantine=False) if output_dir and os.path.isdir(output_dir) \
+        else None
+    kept.append(f"checkpoint {checkpoint}" if checkpoint else "no complete checkpoint yet")
+    return "; ".join(kept)
 
 
 def _wait_for_every_rank() -> None:
