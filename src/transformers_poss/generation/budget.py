@@ -143,10 +143,12 @@ class TreeBudget:
     def observe_seconds(self, seconds: float, verify_seconds: float | None = None, nodes: int | None = None) -> None:
         """The measured wall time of the round just observed (drafting to cache update), and of its verification of
         ``nodes`` nodes (compared with the profile's t(n) by `profile_error`)."""
-        self.measured_seconds += seconds
-        self.measured_tokens += getattr(self, "_last_tokens", 1)
         if verify_seconds is not None and nodes:
             self.verify_ratios.append(verify_seconds / self.profile.verify(nodes))
+        if self.rounds <= 1:  # the first round also feeds the whole prompt to the draft: not a typical round
+            return
+        self.measured_seconds += seconds
+        self.measured_tokens += getattr(self, "_last_tokens", 1)
 
     def plain_probe_due(self) -> bool:
         """Whether this round should be one plain decoding step (a root-only tree, nothing drafted): it measures what a
