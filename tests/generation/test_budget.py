@@ -263,7 +263,7 @@ def test_plain_probes_measure_the_speedup_and_decide_the_fall_back():
     optimistic = _profile({1: 0.01, 8: 0.01}, draft=0.0)
     budget = TreeBudget(optimistic, depth=3, max_nodes=8, warmup_rounds=2, plain_probes=(1,), plain_probe_every=4)
     due = []
-    for _ in range(6):
+    for _ in range(14):
         due.append(budget.plain_probe_due())
         if due[-1]:
             budget.observe_plain(0.010, verify_seconds=0.009)
@@ -271,7 +271,7 @@ def test_plain_probes_measure_the_speedup_and_decide_the_fall_back():
         budget.choose(torch.tensor([0.0, -0.1, -0.2, -0.3]), torch.tensor([0, 1, 2, 3]))
         budget.observe(1)  # 2 tokens a round
         budget.observe_seconds(0.030, verify_seconds=0.009, nodes=4)  # but drafting makes a round 3 plain steps
-    assert due == [False, True, False, False, True, False]
+    assert due == [False, True, False, False, True, False, False, False, True] + [False, False, False, True, False]
     assert budget.predicted_speedup() > 1.5
     assert abs(budget.measured_speedup() - 2 / 3) < 1e-9 and budget.should_fall_back()
     # the profile's verification shape matched (every forward 0.9x of it): no reason to measure it again
@@ -279,10 +279,10 @@ def test_plain_probes_measure_the_speedup_and_decide_the_fall_back():
     assert TreeBudget(optimistic, depth=3, max_nodes=8).profile_error() is None  # nothing measured yet
     # one-node forwards 5x cheaper than profiled, tree forwards as profiled: the shape is off
     skewed = TreeBudget(optimistic, depth=3, max_nodes=8)
-    for _ in range(2):
+    for _ in range(3):
         skewed.observe_plain(0.002, verify_seconds=0.2)
     skewed._last = (0.5, 1.0)
-    for _ in range(4):
+    for _ in range(8):
         skewed.observe(1)
         skewed.observe_seconds(1.0, verify_seconds=1.0, nodes=4)
     assert skewed.profile_error() == 5.0

@@ -178,7 +178,7 @@ class TreeBudget:
         measured / profiled time of one-node forwards (plain probes) against that of the rounds' verifications.
         Load that slows everything alike leaves it at 1 (the profile's ratios still hold); a profile measured under
         load that came and went, on another machine or with another kernel moves it."""
-        if len(self.plain_verify_ratios) < 2 or len(self.verify_ratios) < 4:
+        if len(self.plain_verify_ratios) < 3 or len(self.verify_ratios) < 8:
             return None
         one = sorted(self.plain_verify_ratios)[len(self.plain_verify_ratios) // 2]
         many = sorted(self.verify_ratios)[len(self.verify_ratios) // 2]

@@ -137,7 +137,7 @@ class PosSCandidateGenerator(CandidateGenerator):
             self.total_tokens = tree_setting(config, "tree_max_total_tokens", AUTO_MAX_NODES)
             profile = load_or_measure_profile(self.target, self.draft, top_k=self.top_k)
             # with context candidates the node scores are already calibrated per source (`hybrid.SourceEstimates`)
-            self.budget = TreeBudget(profile, depth=self.depth, max_nodes=self.total_tokens, warmup_rounds=4,
+            self.budget = TreeBudget(profile, depth=self.depth, max_nodes=self.total_tokens, warmup_rounds=8,
                                      calibrate=self.context is None, allow_no_draft=self.context is not None)
         self._probe = False  # this round is a plain probe (root only, nothing drafted)
         self._pending = None  # context pairs not yet given to the draft (accepted during plain probes)
@@ -175,7 +175,7 @@ class PosSCandidateGenerator(CandidateGenerator):
             self.rounds.append(RoundRecord(depths=tree.depths.cpu(), scores=tree.scores.cpu(),
                                            path=accepted.path.cpu(), parents=tree.parents.cpu()))
 
-    PROFILE_TOLERANCE = 2.0  # profile shape vs measured: beyond this factor the cached profile is measured again
+    PROFILE_TOLERANCE = 3.0  # profile shape vs measured: beyond this factor the cached profile is measured again
     PROFILE_CHECK_MIN_SECONDS = 0.01  # below this t(1), host work dominates the loop's timings: no check
 
     def check_profile(self) -> None:
