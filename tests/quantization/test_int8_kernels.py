@@ -124,3 +124,12 @@ def test_a_quantized_draft_runs_one_operator_per_linear_and_stays_close():
     name = next(n for n, m in draft.named_modules() if m is linear)
     exact = dict(reference.named_modules())[name](x)
     assert (out - exact).norm() / exact.norm() < 0.03
+
+
+def test_fused_projections_hold_no_output_after_every_member_read_it():
+    """A long prompt's q/k/v and gate/up outputs must not stay alive in every layer after the forward."""
+    target = quantize_int8(tiny_llama_target())
+    with torch.no_grad():
+        target(torch.randint(3, 90, (1, 40)))
+    groups = {id(m.__dict__["_fused"]): m.__dict__["_fused"] for m in target.modules() if "_fused" in m.__dict__}
+    assert groups and all(group._last is None for group in groups.values())

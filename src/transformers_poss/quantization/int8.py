@@ -210,10 +210,14 @@ class FusedProjections:
             self.state, self.version, self._last = KernelState(self.weight), self._versions(), None
         version = None if hidden.is_inference() else hidden._version
         last = self._last
-        if last is None or last[0] is not hidden or last[1] != version:
+        if last is None or last[0] is not hidden or last[1] != version or id(member) in last[3]:
             rows = quantize_input(hidden, self.state.weight_int8_t.shape[0])
             product = self.state.product(rows, choose_kernel(self.state, rows.num_rows))
-            last = self._last = (hidden, version, _scaled(product, rows, self.weight_scale, self.bias))
+            last = self._last = (hidden, version, _scaled(product, rows, self.weight_scale, self.bias), set())
+        served = last[3]
+        served.add(id(member))
+        if len(served) == len(self.members):  # every member has its slice: hold nothing between forwards
+            self._last = None
         start, stop = self.spans[id(member)]
         return last[2][:, start:stop]
 
