@@ -501,3 +501,20 @@ def test_cli_bench_writes_a_partial_report_and_says_so(tiny_target_dir, tmp_path
     report = json.loads(out.read_text())
     assert report["partial"]["completed_prompts"] == 2 and report["partial"]["interrupted"]
     assert "partial report" in capsys.readouterr().err
+
+
+def test_cli_bench_sweep_runs_each_shape_with_and_without_context_candidates(tiny_target_dir, model, tmp_path):
+    from helpers import tiny_draft
+
+    tiny_draft(model).save_pretrained(tmp_path / "draft")
+    q = write_questions(tmp_path / "q.jsonl", 2, "x")
+    out = tmp_path / "r.json"
+    status = cli.main(["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "6",
+                       "--draft", f"mine={tmp_path / 'draft'}", "--sweep", "--sweep-depths", "2",
+                       "--sweep-total-tokens", "4", "--no-sweep-chains", "--context-candidates", "both",
+                       "--no-prompt-lookup", "--no-plots", "--no-progress", "--output", str(out)])
+    methods = json.loads(out.read_text())["methods"]
+    assert status == 0 and list(methods) == ["baseline", "mine[d=2,n=4]", "mine+context[d=2,n=4]"]
+    assert methods["mine+context[d=2,n=4]"]["info"]["context_candidates"] is True
+    assert methods["mine[d=2,n=4]"]["info"]["context_candidates"] is False
+    assert all(entry["identical_to_baseline"] == 2 for entry in methods.values())

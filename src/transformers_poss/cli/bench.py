@@ -129,19 +129,20 @@ def build_methods(args, target) -> list:
         methods.append(assistant_method(f"assistant:{label}", target, assistant, source))
     for label, source in _labelled(args.draft):
         draft = quantized(load_draft(source, target), args.quantize)  # int8 drafts keep their own attention
+        variants = {"draft": [(label, None)], "off": [(label, False)], "on": [(label, True)],
+                    "both": [(label, False), (f"{label}+context", True)]}[args.context_candidates]
         if not args.sweep:
-            variants = {"draft": [(label, None)], "off": [(label, False)], "on": [(label, True)],
-                        "both": [(label, False), (f"{label}+context", True)]}[args.context_candidates]
             for name, context in variants:
                 methods.append(draft_method(name, target, draft, source, args.tree_depth, args.tree_top_k,
                                             args.tree_total_tokens, context=context))
             continue
         for depth in args.sweep_depths:
             for total in args.sweep_total_tokens:
-                method = draft_method(f"{label}[d={depth},n={total}]", target, draft, source, depth, args.tree_top_k,
-                                      total)
-                method.info.update({"sweep": True, "draft": label})
-                methods.append(method)
+                for name, context in variants:  # every shape with and / or without context candidates
+                    method = draft_method(f"{name}[d={depth},n={total}]", target, draft, source, depth,
+                                          args.tree_top_k, total, context=context)
+                    method.info.update({"sweep": True, "draft": name})
+                    methods.append(method)
         for depth in [] if args.no_sweep_chains else args.sweep_depths:
             method = draft_method(f"{label}[chain d={depth}]", target, draft, source, depth, 1, depth + 1)
             method.info.update({"sweep": True, "draft": label, "chain": True})
