@@ -43,6 +43,7 @@ from .int8_kernels import (
     choose_kernel,
     fbgemm_available,
     quantize_input,
+    version_of,
 )
 
 logger = logging.getLogger(__name__)
@@ -208,7 +209,7 @@ class FusedProjections:
         """``member``'s `[M, out]` float output for `[..., in]` ``hidden``."""
         if self.version != self._versions():  # loaded in place (the views share their whole's version counter)
             self.state, self.version, self._last = KernelState(self.weight), self._versions(), None
-        version = None if hidden.is_inference() else hidden._version
+        version = version_of(hidden)
         last = self._last
         if last is None or last[0] is not hidden or last[1] != version or id(member) in last[3]:
             rows = quantize_input(hidden, self.state.weight_int8_t.shape[0])

@@ -70,11 +70,17 @@ class QuantizedRows:
 _last_input = threading.local()
 
 
+def version_of(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter, which in-place writes bump (None under ``torch.inference_mode``, which keeps
+    none): with identity, what the caches of quantized inputs and fused outputs check."""
+    return None if tensor.is_inference() else tensor._version
+
+
 def quantize_input(hidden: torch.Tensor, in_features: int) -> QuantizedRows:
     """[`QuantizedRows`] of `[..., in]` ``hidden``. Projections that read the same tensor (q/k/v, gate/up when not
     fused) reuse the last result while that very tensor comes again unmodified (a reference is held, so identity is
     safe; under ``torch.inference_mode`` tensors have no version counter and identity alone is used)."""
-    version = None if hidden.is_inference() else hidden._version
+    version = version_of(hidden)
     cached = getattr(_last_input, "entry", None)
     if cached is not None and cached[0] is hidden and cached[1] == version:
         return cached[2]
