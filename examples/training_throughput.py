@@ -1,12 +1,13 @@
-"""Measure draft-training throughput (positions/s) on a real target's features.
+"""Measure draft-training throughput (positions/s) on a real target's features, in float32 and bf16 autocast.
 
-    OMP_WAIT_POLICY=PASSIVE python examples/training_throughput.py --conversations conv.jsonl \
-        --target smollm2-135m-instruct --batch-size 4
+    python examples/training_throughput.py --conversations conv.jsonl --target smollm2-135m-instruct --batch-size 8
 
-Positions are sequence positions (pairs) processed; assistant positions are those that carry loss.
+Positions are sequence positions (pairs) processed; assistant positions are those that carry loss. ``--precision
+auto`` adds the bf16 rows where bf16 measures faster than float32 on this machine (what `poss train` then uses).
 """
 
 import argparse
+import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from transformers_poss.training.features import (
     write_feature_shards,
 )
 from transformers_poss.training.objective import ObjectiveConfig, set_objective
+from transformers_poss.training.precision import bf16_pays
 from transformers_poss.vocab import build_token_map, count_tokens, set_token_map
 
 
@@ -37,8 +39,9 @@ def make_draft(target, dataset, specialists, per, vocab):
     return draft
 
 
-def timed_steps(draft, batches, features=None, pad=0):
-    """Optimiser steps over ``batches``; returns (positions/s, assistant positions/s)."""
+def timed_steps(draft, batches, features=None, pad=0, bf16=False):
+    """Optimiser steps over ``batches`` (under bf16 autocast if ``bf16``); returns (positions/s, assistant
+    positions/s)."""
     optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-5)
     positions = masked = 0
     start = time.perf_counter()
@@ -48,7 +51,9 @@ def timed_steps(draft, batches, features=None, pad=0):
             positions += int((batch["input_ids"] >= 0).sum())
         else:
             positions += int(batch["input_ids"].numel())
-        draft(**batch).loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+            loss = draft(**batch).loss
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         masked += int(batch["loss_mask"].sum())
@@ -63,8 +68,16 @@ def main():
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--vocab", choices=("full", "8192", "both"), default="both",
+                        help="draft vocabularies to measure (the full one is slow: minutes per row)")
+    parser.add_argument("--precision", choices=("auto", "float32", "bf16", "both"), default="auto",
+                        help="auto: float32, plus bf16 where it measures faster here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    pays, why = bf16_pays("cpu")
+    print(f"bf16: {why}")
+    modes = {"auto": [False] + ([True] if pays else []), "float32": [False], "bf16": [True], "both": [False, True]}
+    modes = modes[args.precision]
     target, tokenizer = load_target(args.target)
     dataset = ConversationDataset(load_conversations(args.conversations), tokenizer, args.max_length)
     print(f"{len(dataset)} sequences, {dataset.num_tokens} tokens")
@@ -80,15 +93,18 @@ def main():
         offline = [collate([stored[i] for i in range(b, min(len(stored), b + args.batch_size))])
                    for b in range(0, len(stored), args.batch_size)]
         online = [collate(dataset.examples[b : b + args.batch_size]) for b in range(0, len(dataset), args.batch_size)]
-        for specialists, per, vocab in [(1, 1, None), (3, 2, None), (1, 1, 8192), (3, 2, 8192)]:
-            draft = make_draft(target, dataset, specialists, per, vocab)
-            timed_steps(draft, offline[:1])  # warm-up
-            rate, masked = timed_steps(draft, offline)
-            name = f"S={specialists} N={per} K={specialists * per} vocab={vocab or 'full'}"
-            print(f"{name}: offline {rate:.0f} positions/s ({masked:.0f} assistant positions/s)", flush=True)
-            if vocab is None:
-                rate, masked = timed_steps(draft, online, TargetFeatures(target), tokenizer.pad_token_id)
-                print(f"{name}: online  {rate:.0f} positions/s ({masked:.0f} assistant positions/s)", flush=True)
+        vocabs = {"full": [None], "8192": [8192], "both": [None, 8192]}[args.vocab]
+        for specialists, per, vocab in [(s, n, v) for v in vocabs for s, n in ((1, 1), (3, 2))]:
+            for bf16 in modes:
+                draft = make_draft(target, dataset, specialists, per, vocab)
+                timed_steps(draft, offline[:1], bf16=bf16)  # warm-up
+                rate, masked = timed_steps(draft, offline, bf16=bf16)
+                name = f"S={specialists} N={per} K={specialists * per} vocab={vocab or 'full'} " \
+                       f"{'bf16' if bf16 else 'float32'}"
+                print(f"{name}: offline {rate:.0f} positions/s ({masked:.0f} assistant positions/s)", flush=True)
+                if vocab is None:
+                    rate, masked = timed_steps(draft, online, TargetFeatures(target), tokenizer.pad_token_id, bf16)
+                    print(f"{name}: online  {rate:.0f} positions/s ({masked:.0f} assistant positions/s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,14 +26,14 @@ from pathlib import Path
 
 import torch
 
+from transformers_poss.bench.run import bundled_questions
 from transformers_poss.embedded import load_target
 from transformers_poss.training.cli import resolve_device
-from transformers_poss.training.distill import (REQUEST_CATEGORIES, read_jsonl, regenerate, synthesize_followups,
-                                                synthesize_prompts)
+from transformers_poss.training.distill import (REQUEST_CATEGORIES, int8_copy, read_jsonl, regenerate,
+                                                synthesize_followups, synthesize_prompts)
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data" / "smollm2-135m-instruct"
-EVAL_FILES = [ROOT.parent / "shared" / "data" / "mt_bench.jsonl"]
 
 
 def _unpack(name: str) -> Path:
@@ -52,8 +52,9 @@ def _pack(plain: Path) -> None:
 
 
 def evaluation_prompts() -> list[str]:
+    """MT-Bench's turns (shipped with the package): never training data."""
     prompts = []
-    for path in EVAL_FILES:
+    for path in [bundled_questions()]:
         if path.exists():
             for line in path.read_text(encoding="utf-8").splitlines():
                 if line.strip():
@@ -71,6 +72,9 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk", type=int, default=64, help="answers generated between checkpoints")
     parser.add_argument("--minutes", type=float, default=60.0, help="stop after about this long")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--int8", choices=("auto", "on", "off"), default="auto",
+                        help="generate with an int8 dynamic-quantized copy (auto: on a CPU; about 2.8x faster at "
+                             "batch 16-64 on a 2-core AVX-512 VNNI CPU)")
     parser.add_argument("--no-categories", action="store_true",
                         help="sample new prompts from the bare template instead of by request category")
     parser.add_argument("--followups", type=int, default=0, help="answered conversations that get a follow-up turn")
@@ -79,7 +83,10 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     deadline = time.time() + 60 * args.minutes
     DATA.mkdir(parents=True, exist_ok=True)
-    target, tokenizer = load_target("smollm2-135m-instruct", device=resolve_device(args.device))
+    device = resolve_device(args.device)
+    target, tokenizer = load_target("smollm2-135m-instruct", device=device)
+    if args.int8 == "on" or (args.int8 == "auto" and device == "cpu"):
+        target = int8_copy(target)
     exclude = evaluation_prompts()
 
     prompts_file = _unpack("prompts.jsonl")

@@ -160,6 +160,22 @@ class PosSDraftModel(PosSPreTrainedModel):
             return self.lm_head(features.to(self._compute_dtype(self.lm_head)))
         return self.target_logits(features)
 
+    def logits_head(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``(weight [V', H], bias)`` of the linear map that [`compute_logits`] applies after the final ``norm`` (if
+        any), for losses that fuse it with the softmax; None when it is not a plain float linear (an int8 head). The
+        target's rows come detached (it is frozen); the draft's own ``lm_head`` keeps its gradients."""
+        if self.lm_head is not None:
+            return self.lm_head.weight, self.lm_head.bias
+        self._require_target()
+        if isinstance(self._target_lm_head, Int8Linear):
+            return None
+        if self.draft_to_target is not None:
+            return self._head_weight()
+        head = self._target_lm_head
+        if not isinstance(head, nn.Linear):
+            return None
+        return head.weight.detach(), None if head.bias is None else head.bias.detach()
+
     def target_logits(self, features: torch.Tensor) -> torch.Tensor:
         """The TARGET's logits `[..., V']` over the drafting vocabulary of `[..., H]` features: its lm_head (the
         draft-vocabulary rows), never the draft's final ``norm`` or own ``lm_head``. Of the target's post-norm

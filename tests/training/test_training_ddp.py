@@ -108,7 +108,7 @@ def test_torchrun_poss_train_is_one_ddp_job(tmp_path):
     common = ["--target", str(folder), "--train", str(data), "--eval_fraction", "0", "--max_length", "64",
               "--num_specialists", "2", "--noise", "none", "--max_steps", "2", "--learning_rate", "1e-2",
               "--train_sampling_strategy", "sequential", "--use_cpu", "--report_to", "none", "--save_strategy", "no",
-              "--disable_tqdm", "true", "--logging_steps", "1"]
+              "--disable_tqdm", "true", "--logging_steps", "1", "--bf16", "false"]  # float32: exact comparison
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
           "transformers_poss", "train", *common, "--per_device_train_batch_size", "2",

@@ -17,7 +17,7 @@ def _sequences(count=24, seed=0, vocab=128):
 def _args(tmp_path, **kwargs):
     defaults = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, learning_rate=3e-3,
                     num_train_epochs=1, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-                    dataloader_num_workers=0, seed=0, disable_tqdm=True)
+                    dataloader_num_workers=0, seed=0, disable_tqdm=True, bf16=False)
     defaults.update(kwargs)
     return PosSTrainingArguments(**defaults)
 
@@ -202,6 +202,29 @@ def test_bf16_training_step_on_cpu(tmp_path):
     result = trainer.train()
     assert torch.isfinite(torch.tensor(result.training_loss))
     assert not torch.equal(before, draft.fc.weight)
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_bf16_unset_follows_the_measurement_and_runs_under_autocast(tmp_path, monkeypatch, pays):
+    import transformers_poss.training.objective as objective_module
+    import transformers_poss.training.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "bf16_pays", lambda device: (pays, "measured"))
+    args = _args(tmp_path, bf16=None, max_steps=1)
+    assert args.bf16 is pays
+    assert _args(tmp_path, bf16=None, fp16=False).bf16 is pays
+    seen = []
+    real = objective_module.training_forward
+
+    def spy(*a, **k):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(objective_module, "training_forward", spy)
+    target = tiny_llama()
+    draft = tiny_draft(target, num_specialists=2, positions_per_specialist=1).train()
+    PosSTrainer(model=draft, args=args, target=target, train_dataset=_sequences(8)).train()
+    assert seen and all(flag is pays for flag in seen)
 
 
 def test_position_accuracy_callback_with_a_plain_trainer(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SoftCrossEntropy", "topk_cross_entropy", "chain_counts"]
+__all__ = ["SoftCrossEntropy", "HeadSoftCrossEntropy", "head_chunk_rows", "topk_cross_entropy", "chain_counts"]
 
 
 class SoftCrossEntropy(torch.autograd.Function):
@@ -29,6 +29,66 @@ class SoftCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         logits, probs, lse = ctx.saved_tensors
         return (logits - lse[:, None]).exp_().sub_(probs).mul_(grad[:, None]), None
+
+
+CHUNK_BYTES = 2**23  # float32 logits of one chunk of rows: within the L3 cache, rows enough for a fast product
+
+
+def head_chunk_rows(vocab_size: int) -> int:
+    """Rows per chunk of [`HeadSoftCrossEntropy`]: their float32 logits take about ``CHUNK_BYTES``."""
+    return max(16, CHUNK_BYTES // (4 * vocab_size))
+
+
+class HeadSoftCrossEntropy(torch.autograd.Function):
+    """[`SoftCrossEntropy`] of the logits ``features @ weight^T + bias``, fused with the head and computed in chunks
+    of rows, so the `[M, V]` logits never make a round trip through memory.
+
+    ``apply(features [M, H], weight [V, H], bias [V] | None, probs [M, V], compute_dtype, chunk_rows)`` ->
+    ``(loss [M], top1 [M])``: per-row ``logsumexp(z) - <p, z>`` and the draft's top-1 token (no gradient). Each
+    chunk's logits are computed in ``compute_dtype`` (bfloat16 under CPU/GPU autocast), the softmax in float32;
+    the forward also stores ``softmax(z) - p`` `[M, V]` in ``compute_dtype``, from which the backward gets the
+    gradients of ``features`` (and of ``weight`` / ``bias`` when they require it) with two products.
+    """
+
+    @staticmethod
+    def forward(ctx, features, weight, bias, probs, compute_dtype, chunk_rows):
+        rows, vocab = features.shape[0], weight.shape[0]
+        with torch.autocast(device_type=features.device.type, enabled=False):
+            x, w = features.to(compute_dtype), weight.to(compute_dtype)
+            loss = torch.empty(rows, dtype=torch.float32, device=features.device)
+            top1 = torch.empty(rows, dtype=torch.long, device=features.device)
+            residual = torch.empty(rows, vocab, dtype=compute_dtype, device=features.device)  # softmax - p
+            for start in range(0, rows, chunk_rows):
+                end = min(rows, start + chunk_rows)
+                logits = torch.mm(x[start:end], w.t()).float()
+                if bias is not None:
+                    logits += bias.float()
+                p = probs[start:end].float()
+                top1[start:end] = logits.argmax(-1)
+                peak = logits.amax(-1, keepdim=True)
+                logits -= peak
+                dot = torch.bmm(p.unsqueeze(1), logits.unsqueeze(2)).view(-1)  # <p, z - max>
+                exps = logits.exp_()
+                total = exps.sum(-1, keepdim=True)
+                # logsumexp(z) - <p, z> = log(sum exp(z - max)) - <p, z - max> + max (1 - sum p)
+                loss[start:end] = total.log().view(-1) - dot + peak.view(-1) * (1 - p.sum(-1))
+                residual[start:end] = exps.div_(total).sub_(p)
+        ctx.save_for_backward(x, w, residual)
+        ctx.grad_weight, ctx.grad_bias = weight.requires_grad, bias is not None and bias.requires_grad
+        ctx.dtypes = (features.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.mark_non_differentiable(top1)
+        return loss, top1
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_top1):
+        x, w, residual = ctx.saved_tensors
+        features_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            scale = grad_loss.to(residual.dtype)[:, None]
+            grad_features = (torch.mm(residual, w) * scale).to(features_dtype)
+            grad_weight = torch.mm(residual.t(), x * scale).to(weight_dtype) if ctx.grad_weight else None
+            grad_bias = (residual.float() * scale.float()).sum(0).to(bias_dtype) if ctx.grad_bias else None
+        return grad_features, grad_weight, grad_bias, None, None, None
 
 
 def topk_cross_entropy(target_logp: torch.Tensor, logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .losses import SoftCrossEntropy, chain_counts, topk_cross_entropy
+from .losses import HeadSoftCrossEntropy, SoftCrossEntropy, chain_counts, head_chunk_rows, topk_cross_entropy
 
 __all__ = ["ObjectiveFields", "ObjectiveConfig", "EAGLE3_OBJECTIVE", "check_objective", "set_objective",
            "get_objective", "unroll", "training_forward", "step_attention_mask", "step_loss_weights", "SoftCrossEntropy",
@@ -247,6 +247,22 @@ def soft_label_logits(draft, features: torch.Tensor) -> torch.Tensor:
     return draft.target_logits(features)
 
 
+def _soft_cross_entropy(draft, pred, target_probs, fused: bool):
+    """Per-row soft cross-entropy `[M]` of the draft's logits of ``pred`` `[M, H]` under ``target_probs`` and the
+    draft's top-1 `[M]`; ``fused``: head and softmax in chunks of rows ([`HeadSoftCrossEntropy`], no logits
+    returned), else through the whole float32 logits (also returned, for the top-k term)."""
+    if not fused:
+        logits = draft.compute_logits(pred).float()
+        return SoftCrossEntropy.apply(logits, target_probs), logits.detach().argmax(-1), logits
+    weight, bias = draft.logits_head()
+    features = pred if draft.norm is None else draft.norm(pred.to(draft.norm.weight.dtype))
+    device = features.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else features.dtype
+    rows, top1 = HeadSoftCrossEntropy.apply(features, weight, bias, target_probs, dtype,
+                                            head_chunk_rows(weight.shape[0]))
+    return rows, top1, None
+
+
 def _check_widths(draft, target_hidden_states, target_last_hidden_state):
     """Clear errors for features that are not the ones this draft reads (multi-layer vs post-norm features)."""
     config = draft.config
@@ -306,7 +322,7 @@ def training_forward(draft, input_ids, target_hidden_states, loss_mask, objectiv
     next_features = torch.cat([post_norm[:, 1:], torch.zeros_like(post_norm[:, :1])], dim=1).detach()
     base = masks[0]  # every step's rows are a subset of these M0 rows; other rows get weight 0
     pred_rows = next_features[base]  # [M0, H]
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(device_type=pred_rows.device.type, enabled=False):  # float32 soft labels
         target_logits = soft_label_logits(draft, pred_rows).float()  # [M0, V']
         target_probs = torch.softmax(target_logits, dim=-1)
         target_top1 = target_logits.argmax(-1)
@@ -315,6 +331,7 @@ def training_forward(draft, input_ids, target_hidden_states, loss_mask, objectiv
 
     loss = features.new_zeros((), dtype=torch.float32)
     metrics, correct_maps = {}, []
+    head = None if objective.topk_weight else draft.logits_head()  # the top-k term needs the whole logits
     for k, (out, mask) in enumerate(zip(outputs, masks)):
         weight = mask[base].float()  # [M0]
         count = mask.sum()
@@ -325,15 +342,15 @@ def training_forward(draft, input_ids, target_hidden_states, loss_mask, objectiv
             feature_loss = (feature_rows * weight).sum() / denom
         else:  # token loss only: the regression is not computed
             feature_loss = loss.new_zeros(())
-        logits = draft.compute_logits(pred).float()
-        ce_loss = (SoftCrossEntropy.apply(logits, target_probs) * weight).sum() / denom
+        ce_rows, draft_top1, logits = _soft_cross_entropy(draft, pred, target_probs, fused=head is not None)
+        ce_loss = (ce_rows * weight).sum() / denom
         step_loss = objective.feature_weight * feature_loss + objective.ce_weight * ce_loss
         if objective.topk_weight:
             topk_rows = topk_cross_entropy(target_logp, logits, objective.topk)
             step_loss = step_loss + objective.topk_weight * (topk_rows * weight).sum() / denom
         loss = loss + weights[k] * step_loss
         with torch.no_grad():
-            hits = (logits.argmax(-1) == target_top1) & weight.bool()
+            hits = (draft_top1 == target_top1) & weight.bool()
             correct = torch.zeros_like(mask)
             correct[base] = hits
             correct_maps.append(correct)

@@ -25,6 +25,7 @@ from transformers.utils import logging
 from .checkpoints import AtomicCheckpointMixin
 from .feature_inputs import PosSDataCollator, TargetFeatures, batch_to, check_feature_layout, draft_feature_layers
 from .objective import OBJECTIVE_FIELDS, ObjectiveConfig, ObjectiveFields, check_objective, set_objective
+from .precision import bf16_pays
 from .warm_start import init_specialists
 
 logger = logging.get_logger(__name__)
@@ -45,7 +46,8 @@ __all__ = [
 class PosSTrainingArguments(ObjectiveFields, TrainingArguments):
     r"""[`TrainingArguments`] with the draft objective's settings (the fields of [`ObjectiveFields`], defined there
     once) and the PosS authors' optimiser defaults (AdamW lr 3e-5, betas (0.9, 0.95), 1% linear warmup then linear
-    decay, gradient clipping by value 0.5).
+    decay, gradient clipping by value 0.5). ``bf16`` left unset turns bf16 autocast on where it measures faster
+    (see [`precision`]); the soft labels and the softmax of the loss stay float32 either way.
 
     Args:
         num_unrolled_steps, feature_weight, ce_weight, topk_weight, topk, noise, noise_scale, step_weights,
@@ -85,6 +87,11 @@ class PosSTrainingArguments(ObjectiveFields, TrainingArguments):
     warmup_steps: float = field(default=0.01, metadata={"help": "Warmup steps, or a ratio of all steps if < 1."})
     max_grad_norm: float = field(default=0.0, metadata={"help": "Clip by norm (0: off; clipping is by value)."})
     remove_unused_columns: bool = field(default=False, metadata={"help": "Keep the draft's training inputs."})
+    bf16: bool | None = field(
+        default=None,
+        metadata={"help": "bf16 mixed precision (autocast; weights stay float32). Unset: on where it measures faster "
+                          "(CPUs with bf16 units, GPUs that support it), off elsewhere and with fp16."},
+    )
 
     def objective(self) -> ObjectiveConfig:
         values = {name: getattr(self, name) for name in OBJECTIVE_FIELDS}
@@ -95,6 +102,12 @@ class PosSTrainingArguments(ObjectiveFields, TrainingArguments):
     def __post_init__(self):
         if self.ddp_backend is None and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
             self.ddp_backend = "gloo"  # DDP on CPUs
+        if self.bf16 is None:
+            on_gpu = torch.cuda.is_available() and not self.use_cpu
+            self.bf16, why = (False, "fp16 is set") if self.fp16 else bf16_pays("cuda" if on_gpu else "cpu")
+            logger.info("bf16 mixed precision: %s (%s)", "on" if self.bf16 else "off", why)
+            if self.bf16 and not on_gpu:
+                self.use_cpu = True  # transformers accepts bf16 without a GPU only with use_cpu (no GPU here anyway)
         TrainingArguments.__post_init__(self)
         check_objective(self)
         if self.fc_learning_rate_scale < 0:
