@@ -518,3 +518,23 @@ def test_cli_bench_sweep_runs_each_shape_with_and_without_context_candidates(tin
     assert methods["mine+context[d=2,n=4]"]["info"]["context_candidates"] is True
     assert methods["mine[d=2,n=4]"]["info"]["context_candidates"] is False
     assert all(entry["identical_to_baseline"] == 2 for entry in methods.values())
+
+
+def test_cli_bench_compares_both_tree_sampling_modes_when_sampling(tiny_target_dir, model, tmp_path):
+    from helpers import tiny_draft
+
+    tiny_draft(model).save_pretrained(tmp_path / "draft")
+    q = write_questions(tmp_path / "q.jsonl", 2, "x")
+    out = tmp_path / "r.json"
+    common = ["bench", "--target", str(tiny_target_dir), "--questions", q, "--max-new-tokens", "6",
+              "--draft", f"mine={tmp_path / 'draft'}", "--tree-total-tokens", "5", "--tree-sampling", "both",
+              "--temperature", "1", "--seed", "3", "--no-prompt-lookup", "--no-plots", "--no-progress"]
+    status = cli.main(common + ["--output", str(out)])
+    methods = json.loads(out.read_text())["methods"]
+    assert status == 0 and list(methods) == ["baseline", "mine", "mine+draft-probs"]
+    assert methods["mine"]["info"]["tree_sampling"] == "target_only"
+    assert methods["mine+draft-probs"]["info"]["tree_sampling"] == "draft_probabilities"
+    # the automatic budget cuts trees after drawing their children: only the target-only rule is measured there
+    status = cli.main(common[:-9] + ["--tree-total-tokens", "auto", "--tree-sampling", "both", "--temperature", "1",
+                                     "--no-prompt-lookup", "--no-plots", "--no-progress", "--output", str(out)])
+    assert status == 0 and list(json.loads(out.read_text())["methods"]) == ["baseline", "mine"]

@@ -176,15 +176,16 @@ def result_from_generate(output, prompt_length: int, rounds: list[tuple[int, int
 
 @contextlib.contextmanager
 def tree_shape(draft, depth: int | None = None, top_k: int | None = None, total_tokens: int | None = None,
-               context: bool | int | None = None):
-    """Temporarily set the tree shape (and ``tree_context_candidates``: ``context``) on ``draft.generation_config``
-    (None keeps the draft's own value)."""
+               context: bool | int | None = None, sampling: str | None = None):
+    """Temporarily set the tree shape (and ``tree_context_candidates``: ``context``, ``tree_sampling``:
+    ``sampling``) on ``draft.generation_config`` (None keeps the draft's own value)."""
     from ..checks import tree_value
 
     config = draft.generation_config
     wanted = {"tree_depth": depth, "tree_top_k": top_k, "tree_total_tokens": total_tokens}
     wanted = {key: None if value is None else tree_value(key, value) for key, value in wanted.items()}
     wanted["tree_context_candidates"] = context
+    wanted["tree_sampling"] = sampling
     saved = {key: getattr(config, key, None) for key in wanted}
     for key, value in wanted.items():
         if value is not None:
@@ -244,13 +245,15 @@ def assistant_method(name: str, model, assistant, source: str) -> Method:
 
 
 def draft_method(name: str, model, draft, source: str, depth=None, top_k=None, total_tokens=None,
-                 context=None) -> Method:
+                 context=None, sampling=None) -> Method:
     """PosS tree speculation with `draft`, optionally with a tree shape (and ``tree_context_candidates``:
-    ``context``) overriding the draft's own."""
-    shape = {"depth": depth, "top_k": top_k, "total_tokens": total_tokens, "context": context}
+    ``context``, ``tree_sampling``: ``sampling``) overriding the draft's own."""
+    shape = {"depth": depth, "top_k": top_k, "total_tokens": total_tokens, "context": context, "sampling": sampling}
     config = draft.generation_config
     effective = {key: value if value is not None else getattr(config, f"tree_{key}", None)
-                 for key, value in shape.items() if key != "context"}
+                 for key, value in shape.items() if key not in ("context", "sampling")}
     copied = context if context is not None else getattr(config, "tree_context_candidates", None)
-    info = {"kind": "poss_tree", "source": source, "tree": effective, "context_candidates": copied}
+    mode = sampling if sampling is not None else getattr(config, "tree_sampling", None) or "target_only"
+    info = {"kind": "poss_tree", "source": source, "tree": effective, "context_candidates": copied,
+            "tree_sampling": mode}
     return generate_method(name, model, draft=draft, shape=shape, record_rounds=True, info=info)

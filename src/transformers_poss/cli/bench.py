@@ -71,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tree.add_argument("--tree-total-tokens", type=tree_total_tokens, default=None,
                       help="nodes verified per round, root included, or 'auto' (chosen per round from the measured "
                            "cost of verification on this machine)")
+    tree.add_argument("--tree-sampling", choices=["draft", "target_only", "draft_probabilities", "both"],
+                      default="draft",
+                      help="acceptance rule when sampling (tree_sampling): the draft's own setting (default), "
+                           "target_only, draft_probabilities (children drawn from the draft, recursive rejection), "
+                           "or both (each draft twice, LABEL+draft-probs; not with context candidates or 'auto')")
     tree.add_argument("--context-candidates", choices=["draft", "off", "on", "both"], default="draft",
                       help="continuations copied from the context in the draft's trees (tree_context_candidates): "
                            "the draft's own setting (default), off, on, or both (each draft twice, LABEL+context on)")
@@ -117,6 +122,22 @@ def _labelled(specs: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
+def _sampling_variants(args, draft, context, total) -> list[tuple[str, str | None]]:
+    """``(name suffix, tree_sampling)`` of each variant ``--tree-sampling`` asks for. ``both`` leaves
+    draft_probabilities out where the tree is cut after its children are drawn (context candidates, the automatic
+    budget), which that mode refuses."""
+    choice = getattr(args, "tree_sampling", "draft")
+    if choice == "draft":
+        return [("", None)]
+    if choice != "both":
+        return [("", choice)]
+    config = draft.generation_config
+    copied = context if context is not None else getattr(config, "tree_context_candidates", None)
+    total = total if total is not None else config.tree_total_tokens
+    refused = bool(copied) or str(total) == "auto"
+    return [("", "target_only")] + ([] if refused else [("+draft-probs", "draft_probabilities")])
+
+
 def build_methods(args, target) -> list:
     """baseline, prompt lookup, chain assistants, then each draft (at each sweep shape with --sweep)."""
     methods = [baseline_method(target)]
@@ -133,16 +154,19 @@ def build_methods(args, target) -> list:
                     "both": [(label, False), (f"{label}+context", True)]}[args.context_candidates]
         if not args.sweep:
             for name, context in variants:
-                methods.append(draft_method(name, target, draft, source, args.tree_depth, args.tree_top_k,
-                                            args.tree_total_tokens, context=context))
+                for suffix, sampling in _sampling_variants(args, draft, context, args.tree_total_tokens):
+                    methods.append(draft_method(name + suffix, target, draft, source, args.tree_depth,
+                                                args.tree_top_k, args.tree_total_tokens, context=context,
+                                                sampling=sampling))
             continue
         for depth in args.sweep_depths:
             for total in args.sweep_total_tokens:
                 for name, context in variants:  # every shape with and / or without context candidates
-                    method = draft_method(f"{name}[d={depth},n={total}]", target, draft, source, depth,
-                                          args.tree_top_k, total, context=context)
-                    method.info.update({"sweep": True, "draft": name})
-                    methods.append(method)
+                    for suffix, sampling in _sampling_variants(args, draft, context, total):
+                        method = draft_method(f"{name}{suffix}[d={depth},n={total}]", target, draft, source, depth,
+                                              args.tree_top_k, total, context=context, sampling=sampling)
+                        method.info.update({"sweep": True, "draft": name + suffix})
+                        methods.append(method)
         for depth in [] if args.no_sweep_chains else args.sweep_depths:
             method = draft_method(f"{label}[chain d={depth}]", target, draft, source, depth, 1, depth + 1)
             method.info.update({"sweep": True, "draft": label, "chain": True})
@@ -161,7 +185,7 @@ def settings_record(args, chat: bool, target) -> dict:
         "temperature": args.temperature, "greedy": args.temperature <= 0, "top_p": args.top_p, "top_k": args.top_k,
         "seed": args.seed, "threads": torch.get_num_threads(), "warmup": args.warmup, "chat_template": chat,
         "tree": {"depth": args.tree_depth, "top_k": args.tree_top_k, "total_tokens": args.tree_total_tokens},
-        "context_candidates": args.context_candidates,
+        "context_candidates": args.context_candidates, "tree_sampling": args.tree_sampling,
         "sweep": {"depths": args.sweep_depths, "total_tokens": args.sweep_total_tokens,
                   "chains": not args.no_sweep_chains} if args.sweep else None,
         "prompt_lookup": None if args.no_prompt_lookup else

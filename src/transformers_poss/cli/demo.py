@@ -18,11 +18,17 @@ import torch
 from .errors import positive_int
 
 DEFAULT_DRAFT = "poss-smollm2-135m-instruct"
-# prompts with answers of a paragraph or more: speculation pays per round, so a one-line answer cannot show it
+# three everyday requests with answers of a paragraph or more (speculation pays per round, so a one-line answer
+# cannot show it): an explanation, code, and a summary of a given text (where copied candidates help most). Free
+# stories are where this draft helps least: `--prompt "Write a short story about a robot who learns to paint."`
 DEMO_PROMPTS = (
     "Explain what a hash table is to a beginner programmer.",
-    "Give me three tips for staying focused while studying, with one sentence on each.",
-    "Write a short story about a robot who learns to paint.",
+    "Write a Python function that checks whether a string is a palindrome, and explain how it works.",
+    "Summarize the following paragraph in two sentences: The Great Barrier Reef is the world's largest coral reef "
+    "system, composed of over 2,900 individual reefs and 900 islands stretching over 2,300 kilometres. It is located "
+    "in the Coral Sea, off the coast of Queensland, Australia. The reef can be seen from outer space and is the "
+    "world's biggest single structure made by living organisms. It supports a wide diversity of life and was "
+    "selected as a World Heritage Site in 1981.",
 )
 MIN_POSITION_ROUNDS = 10  # a position-wise rate from fewer rounds is shown as a count only
 

@@ -105,7 +105,8 @@ class PosSTrainingArguments(ObjectiveFields, TrainingArguments):
         if self.bf16 is None:
             on_gpu = torch.cuda.is_available() and not self.use_cpu
             self.bf16, why = (False, "fp16 is set") if self.fp16 else bf16_pays("cuda" if on_gpu else "cpu")
-            logger.info("bf16 mixed precision: %s (%s)", "on" if self.bf16 else "off", why)
+            # logged when a PosSTrainer starts (after every argument check)
+            self.precision_choice = f"bf16 mixed precision: {'on' if self.bf16 else 'off'} ({why})"
             if self.bf16 and not on_gpu:
                 self.use_cpu = True  # transformers accepts bf16 without a GPU only with use_cpu (no GPU here anyway)
         TrainingArguments.__post_init__(self)
@@ -216,6 +217,8 @@ class PosSTrainer(AtomicCheckpointMixin, Trainer):
                  processing_class=None, callbacks=None, **kwargs):
         args = args or PosSTrainingArguments(output_dir="poss-draft")
         draft = unwrap_draft(model)
+        if getattr(args, "precision_choice", None):
+            logger.info(args.precision_choice)
         if target is not None:
             if not draft.is_attached:
                 draft.attach_target(target)
