@@ -126,6 +126,22 @@ def test_feature_shards_from_other_data_are_recomputed(tmp_path):
         assert torch.equal(stored[i]["input_ids"], torch.as_tensor(grown[i]["input_ids"]).long())
 
 
+def test_feature_shards_under_bf16_autocast_are_close_and_kept_apart(tmp_path):
+    target = tiny_llama()
+    data = _sequences(4)
+    write_feature_shards(target, data, tmp_path, progress=False, dtype=torch.float32)
+    exact = [FeatureShardDataset(tmp_path)[i]["hidden_states"] for i in range(4)]
+    shard = next(tmp_path.glob("shard-*.safetensors"))
+    write_feature_shards(target, data, tmp_path, progress=False, dtype=torch.float32, autocast=True)
+    fast = [FeatureShardDataset(tmp_path)[i]["hidden_states"] for i in range(4)]
+    assert not all(torch.equal(a, b) for a, b in zip(exact, fast))  # recomputed, not kept from the float32 run
+    for a, b in zip(exact, fast):
+        assert ((a - b).norm() / a.norm()) < 0.05
+    written = shard.stat().st_mtime_ns
+    write_feature_shards(target, data, tmp_path, progress=False, dtype=torch.float32, autocast=True)
+    assert shard.stat().st_mtime_ns == written  # same setting: resumed, nothing recomputed
+
+
 def test_evaluation_reports_position_accuracy(tmp_path):
     target = tiny_llama()
     draft = tiny_draft(target, num_specialists=3, positions_per_specialist=1)

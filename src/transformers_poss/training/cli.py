@@ -181,7 +181,7 @@ def build_datasets(config: PosSTrainConfig, target, tokenizer, write: bool = Tru
         if len(dataset):
             if write:
                 write_feature_shards(target, dataset, root / name, dtype=dtype, batch_size=script.features_batch_size,
-                                     feature_layers=layers)
+                                     feature_layers=layers, autocast=script.features_autocast)
             out.append(FeatureShardDataset(root / name, feature_layers=layers, num_hidden_layers=count))
         else:
             out.append(None)

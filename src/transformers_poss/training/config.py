@@ -50,6 +50,10 @@ class PosSScriptArguments:
         default="bfloat16", metadata={"help": "Storage dtype of offline features."}
     )
     features_batch_size: int = field(default=8, metadata={"help": "Sequences per target forward for features."})
+    features_autocast: bool = field(
+        default=False, metadata={"help": "Compute offline features under bf16 autocast (faster on CPUs with bf16 "
+                                         "units; features about 1 percent off the float32 ones)."}
+    )
     device: str = field(default="auto", metadata={"help": "Where the target runs (auto: this process's GPU if any)."})
     dry_run: bool = field(default=False, metadata={"help": "Print the resolved configuration and exit."})
 

@@ -133,7 +133,7 @@ def _holds_view(directory: Path, dataset, fingerprint: str, layers, num_hidden_l
 
 def write_feature_shards(target, dataset, output_dir, batch_size: int = 8, sequences_per_shard: int = 512,
                          dtype: torch.dtype = torch.bfloat16, device=None, progress: bool = True,
-                         feature_layers: list[int] | None = None) -> dict:
+                         feature_layers: list[int] | None = None, autocast: bool = False) -> dict:
     """Precompute target features of a tokenized dataset into ``output_dir/shard-XXXXX.safetensors``.
 
     Resumable: finished shards (written atomically) that hold the same sequences are skipped. Sequences of a shard
@@ -146,13 +146,16 @@ def write_feature_shards(target, dataset, output_dir, batch_size: int = 8, seque
         feature_layers: the target layers the draft reads (its ``config.feature_layers``); None: the post-norm
             feature. A folder holding features of other layers is left as it is when it serves these layers for
             exactly these sequences (a view, see `FeatureShardDataset`), else refused (give another ``output_dir``).
+        autocast: run the target under bf16 autocast (1.7-1.8x faster on a 2-core CPU with bf16 units; the features
+            then differ from float32 ones by about 1% in relative norm). Part of the shards' fingerprint, so
+            switching it recomputes them.
     Returns:
         the index written to ``output_dir/features.json``.
     """
     output_dir = Path(output_dir)
     layers = list(feature_layers) if feature_layers else None
     existing = stored_feature_layers(output_dir)
-    fingerprint = target_fingerprint(target)
+    fingerprint = target_fingerprint(target) + ("|bf16-autocast" if autocast else "")
     compute = TargetFeatures(target, layers)
     if existing is not _UNSET and (list(existing) if existing else None) != layers:
         if _holds_view(output_dir, dataset, fingerprint, layers, compute.num_hidden_layers):
@@ -166,6 +169,7 @@ def write_feature_shards(target, dataset, output_dir, batch_size: int = 8, seque
     slot = layers.index(compute.num_hidden_layers) if layers and compute.num_hidden_layers in layers else None
     store_last = bool(layers) and slot is None
     device = device or next(target.parameters()).device
+    device_type = torch.device(device).type
     total = len(dataset)
     shards = []
     bar = tqdm(total=total, desc="target features", unit="seq", disable=not progress)
@@ -178,8 +182,9 @@ def write_feature_shards(target, dataset, output_dir, batch_size: int = 8, seque
             for b in range(0, len(order), batch_size):
                 chosen = order[b : b + batch_size]
                 batch = PosSDataCollator()([items[i] for i in chosen])
-                out, post = compute.compute(batch["tokens"].to(device), batch["attention_mask"].to(device))
-                out, post = out.cpu(), post.cpu()
+                with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
+                    out, post = compute.compute(batch["tokens"].to(device), batch["attention_mask"].to(device))
+                out, post = out.float().cpu(), post.float().cpu()
                 for row, i in enumerate(chosen):
                     features[i] = out[row, : len(items[i]["input_ids"])]
                     last[i] = post[row, : len(items[i]["input_ids"])]
