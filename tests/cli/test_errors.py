@@ -297,3 +297,15 @@ def test_commands_show_the_library_log_on_stderr(capsys, monkeypatch):
     logger.info("hidden")
     logger.warning("shown")
     assert capsys.readouterr().err == "[poss bench] shown\n"
+
+
+def test_tune_explains_a_prediction_that_misses_by_more_than_ten_percent():
+    from transformers_poss.cli.tune import prediction_gap
+
+    assert prediction_gap(1.20, 1.25, 2.0, 2.1) is None  # within 10%
+    acceptance = prediction_gap(1.20, 0.90, 2.0, 1.5)  # tau 0.75x, cost as predicted
+    assert "acceptance length was 0.75x" in acceptance and "round cost" not in acceptance
+    cost = prediction_gap(1.20, 0.80, 2.0, 2.0)  # same tau, rounds 1.5x dearer
+    assert "round cost 1.50x" in cost and "acceptance" not in cost
+    both = prediction_gap(1.0, 0.5, 2.0, 1.6)
+    assert "acceptance length was 0.80x" in both and "round cost 1.60x" in both and "50%" in both

@@ -137,6 +137,29 @@ def chain_costs(profile, draft):
                                meta={**profile.meta, "top_k": 1})
 
 
+PREDICTION_TOLERANCE = 0.10  # a measured speed-up further than this from the prediction gets an explanation
+
+
+def prediction_gap(predicted: float, measured: float, predicted_tau: float, measured_tau: float) -> str | None:
+    """One line on why the measured speed-up is more than ``PREDICTION_TOLERANCE`` away from the prediction, split
+    into its two factors (speed-up = acceptance length / cost of a round in decode steps): how much of the gap is
+    acceptance (the replayed rounds came from recorded rounds of a 16-node tree, not this shape on these prompts)
+    and how much is cost (the profile's round cost against what the measured rounds took). None when within."""
+    if predicted <= 0 or measured <= 0 or abs(measured / predicted - 1) <= PREDICTION_TOLERANCE:
+        return None
+    acceptance = measured_tau / predicted_tau if predicted_tau > 0 else 1.0
+    cost = acceptance / (measured / predicted)  # measured round cost / predicted round cost
+    reasons = []
+    if abs(acceptance - 1) > 0.03:
+        reasons.append(f"the acceptance length was {acceptance:.2f}x the replayed one ({measured_tau:.2f} against "
+                       f"{predicted_tau:.2f}: other prompts accept differently than the recorded rounds)")
+    if abs(cost - 1) > 0.03:
+        reasons.append(f"a round cost {cost:.2f}x what the cost profile predicts (other load on the machine while "
+                       "measuring, or a profile measured under other conditions: `poss tune` again re-measures it)")
+    return (f"measured {measured:.2f}x is {abs(measured / predicted - 1):.0%} from the predicted {predicted:.2f}x: "
+            + ("; ".join(reasons) if reasons else "both factors are within 3% and compound"))
+
+
 def round_cost_line(profile, depth: int, top_k: int, total: int) -> str:
     """One round (drafting ``depth`` levels, verifying ``total`` nodes) against one decode step, from ``profile``."""
     step, draft, verify = profile.verify(1), profile.draft(depth), profile.verify(total)
@@ -198,6 +221,10 @@ def run(args) -> int:
     print(f"\nchosen: {best['kind']}, depth {best['depth']}, top-k {best['top_k']}, {best['total_tokens']} nodes -> "
           f"predicted {best['predicted_speedup']:.2f}x (acceptance length {best['mean_acceptance_length']:.2f}), "
           f"measured {measured:.2f}x (acceptance length {tau:.2f})")
+    gap = prediction_gap(best["predicted_speedup"], measured, best["mean_acceptance_length"], tau)
+    report["measured"]["prediction_gap"] = gap
+    if gap:
+        print(f"why the prediction missed: {gap}")
     if args.save:
         draft.generation_config.tree_depth = best["depth"]
         draft.generation_config.tree_top_k = best["top_k"]
