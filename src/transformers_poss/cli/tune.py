@@ -143,8 +143,9 @@ PREDICTION_TOLERANCE = 0.10  # a measured speed-up further than this from the pr
 def prediction_gap(predicted: float, measured: float, predicted_tau: float, measured_tau: float) -> str | None:
     """One line on why the measured speed-up is more than ``PREDICTION_TOLERANCE`` away from the prediction, split
     into its two factors (speed-up = acceptance length / cost of a round in decode steps): how much of the gap is
-    acceptance (the replayed rounds came from recorded rounds of a 16-node tree, not this shape on these prompts)
-    and how much is cost (the profile's round cost against what the measured rounds took). None when within."""
+    acceptance (the prediction replays the recorded large trees cut to this shape; the shape's own rounds build
+    their trees themselves) and how much is cost (the profile's round cost against what the measured rounds
+    implied). None when within."""
     if predicted <= 0 or measured <= 0 or abs(measured / predicted - 1) <= PREDICTION_TOLERANCE:
         return None
     acceptance = measured_tau / predicted_tau if predicted_tau > 0 else 1.0
@@ -152,7 +153,8 @@ def prediction_gap(predicted: float, measured: float, predicted_tau: float, meas
     reasons = []
     if abs(acceptance - 1) > 0.03:
         reasons.append(f"the acceptance length was {acceptance:.2f}x the replayed one ({measured_tau:.2f} against "
-                       f"{predicted_tau:.2f}: other prompts accept differently than the recorded rounds)")
+                       f"{predicted_tau:.2f}: the shape's own rounds accept differently than its replay from the "
+                       "recorded large trees)")
     if abs(cost - 1) > 0.03:
         reasons.append(f"a round cost {cost:.2f}x what the cost profile predicts (other load on the machine while "
                        "measuring, or a profile measured under other conditions: `poss tune` again re-measures it)")
