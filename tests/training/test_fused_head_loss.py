@@ -41,8 +41,8 @@ def test_chunk_rows_follow_the_vocabulary():
 def _loss_and_grads(draft, ids, feats, mask, use_fused, monkeypatch):
     real = objective_module._soft_cross_entropy
 
-    def choose(draft_, pred, probs, fused):
-        return real(draft_, pred, probs, fused=fused and use_fused)
+    def choose(draft_, pred, probs, head):
+        return real(draft_, pred, probs, head if use_fused else None)
 
     monkeypatch.setattr(objective_module, "_soft_cross_entropy", choose)
     draft.zero_grad()

@@ -253,7 +253,9 @@ def draft_method(name: str, model, draft, source: str, depth=None, top_k=None, t
     effective = {key: value if value is not None else getattr(config, f"tree_{key}", None)
                  for key, value in shape.items() if key not in ("context", "sampling")}
     copied = context if context is not None else getattr(config, "tree_context_candidates", None)
-    mode = sampling if sampling is not None else getattr(config, "tree_sampling", None) or "target_only"
+    from ..speculation.sampled_drafter import tree_sampling_mode
+
+    mode = sampling if sampling is not None else tree_sampling_mode(config)
     info = {"kind": "poss_tree", "source": source, "tree": effective, "context_candidates": copied,
             "tree_sampling": mode}
     return generate_method(name, model, draft=draft, shape=shape, record_rounds=True, info=info)

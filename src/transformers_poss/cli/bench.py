@@ -126,15 +126,16 @@ def _sampling_variants(args, draft, context, total) -> list[tuple[str, str | Non
     """``(name suffix, tree_sampling)`` of each variant ``--tree-sampling`` asks for. ``both`` leaves
     draft_probabilities out where the tree is cut after its children are drawn (context candidates, the automatic
     budget), which that mode refuses."""
-    choice = getattr(args, "tree_sampling", "draft")
-    if choice == "draft":
+    from ..speculation.sampled_drafter import sampled_trees_conflict
+
+    if args.tree_sampling == "draft":
         return [("", None)]
-    if choice != "both":
-        return [("", choice)]
+    if args.tree_sampling != "both":
+        return [("", args.tree_sampling)]
     config = draft.generation_config
     copied = context if context is not None else getattr(config, "tree_context_candidates", None)
     total = total if total is not None else config.tree_total_tokens
-    refused = bool(copied) or str(total) == "auto"
+    refused = sampled_trees_conflict(bool(copied), str(total) == "auto")
     return [("", "target_only")] + ([] if refused else [("+draft-probs", "draft_probabilities")])
 
 

@@ -10,7 +10,7 @@ from ..configuration_poss import DEFAULT_TREE_SHAPE
 from ..modeling_poss import PosSDraftModel
 from ..quantization.int8 import linear_device
 from ..speculation.drafter import PosSProposer
-from ..speculation.sampled_drafter import DraftWarping, SampledTreeProposer, tree_sampling_mode
+from ..speculation.sampled_drafter import DraftWarping, SampledTreeProposer, sampled_trees_conflict, tree_sampling_mode
 from ..speculation.tree import DraftTree
 from .hybrid import ContextCandidates, context_candidate_tokens, drafting_depths
 
@@ -82,11 +82,11 @@ def sampled_tree_warping(draft, generation_config, total_tokens, context: bool =
     mode = tree_sampling_mode(getattr(draft, "generation_config", None))
     if mode != "draft_probabilities" or generation_config is None or not generation_config.do_sample:
         return None
-    for name, on in (("tree_context_candidates", context), ('tree_total_tokens="auto"', auto)):
-        if on:
-            raise ValueError(f'tree_sampling="draft_probabilities" cannot be combined with {name}: the tree is then '
-                             "cut after its children are drawn, and the recursive rejection rule would no longer keep "
-                             'the target distribution. Use tree_sampling="target_only" or turn it off.')
+    conflict = sampled_trees_conflict(context, auto)
+    if conflict:
+        raise ValueError(f'tree_sampling="draft_probabilities" cannot be combined with {conflict}: the tree is then '
+                         "cut after its children are drawn, and the recursive rejection rule would no longer keep "
+                         'the target distribution. Use tree_sampling="target_only" or turn it off.')
     return DraftWarping.from_generation_config(generation_config)
 
 

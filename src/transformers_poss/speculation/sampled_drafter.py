@@ -42,6 +42,16 @@ def tree_sampling_mode(config) -> str:
     return value
 
 
+def sampled_trees_conflict(context: bool, auto: bool) -> str | None:
+    """The setting that rules ``"draft_probabilities"`` out for a call (the tree is then cut after its children are
+    drawn: context candidates merged by estimated acceptance, the single-row automatic budget keeping nodes by
+    score), or None."""
+    for name, on in (("tree_context_candidates", context), ('tree_total_tokens="auto"', auto)):
+        if on:
+            return name
+    return None
+
+
 class DraftWarping:
     """The temperature / top-k / top-p of a ``generate`` call, applied to the draft's logits (same semantics as
     transformers' warpers: temperature first, then top-k, then top-p keeping at least one token).

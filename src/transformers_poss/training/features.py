@@ -184,7 +184,7 @@ def write_feature_shards(target, dataset, output_dir, batch_size: int = 8, seque
                 batch = PosSDataCollator()([items[i] for i in chosen])
                 with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
                     out, post = compute.compute(batch["tokens"].to(device), batch["attention_mask"].to(device))
-                out, post = out.float().cpu(), post.float().cpu()
+                out, post = out.cpu(), post.cpu()
                 for row, i in enumerate(chosen):
                     features[i] = out[row, : len(items[i]["input_ids"])]
                     last[i] = post[row, : len(items[i]["input_ids"])]

@@ -58,11 +58,12 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
             loss = torch.empty(rows, dtype=torch.float32, device=features.device)
             top1 = torch.empty(rows, dtype=torch.long, device=features.device)
             residual = torch.empty(rows, vocab, dtype=compute_dtype, device=features.device)  # softmax - p
+            shift = None if bias is None else bias.float()
             for start in range(0, rows, chunk_rows):
                 end = min(rows, start + chunk_rows)
                 logits = torch.mm(x[start:end], w.t()).float()
-                if bias is not None:
-                    logits += bias.float()
+                if shift is not None:
+                    logits += shift
                 p = probs[start:end].float()
                 top1[start:end] = logits.argmax(-1)
                 peak = logits.amax(-1, keepdim=True)

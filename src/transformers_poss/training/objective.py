@@ -247,14 +247,15 @@ def soft_label_logits(draft, features: torch.Tensor) -> torch.Tensor:
     return draft.target_logits(features)
 
 
-def _soft_cross_entropy(draft, pred, target_probs, fused: bool):
+def _soft_cross_entropy(draft, pred, target_probs, head):
     """Per-row soft cross-entropy `[M]` of the draft's logits of ``pred`` `[M, H]` under ``target_probs`` and the
-    draft's top-1 `[M]`; ``fused``: head and softmax in chunks of rows ([`HeadSoftCrossEntropy`], no logits
-    returned), else through the whole float32 logits (also returned, for the top-k term)."""
-    if not fused:
+    draft's top-1 `[M]`; with ``head`` (``draft.logits_head()``): head and softmax in chunks of rows
+    ([`HeadSoftCrossEntropy`], no logits returned), else through the whole float32 logits (also returned, for the
+    top-k term)."""
+    if head is None:
         logits = draft.compute_logits(pred).float()
         return SoftCrossEntropy.apply(logits, target_probs), logits.detach().argmax(-1), logits
-    weight, bias = draft.logits_head()
+    weight, bias = head
     features = pred if draft.norm is None else draft.norm(pred.to(draft.norm.weight.dtype))
     device = features.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else features.dtype
@@ -342,7 +343,7 @@ def training_forward(draft, input_ids, target_hidden_states, loss_mask, objectiv
             feature_loss = (feature_rows * weight).sum() / denom
         else:  # token loss only: the regression is not computed
             feature_loss = loss.new_zeros(())
-        ce_rows, draft_top1, logits = _soft_cross_entropy(draft, pred, target_probs, fused=head is not None)
+        ce_rows, draft_top1, logits = _soft_cross_entropy(draft, pred, target_probs, head)
         ce_loss = (ce_rows * weight).sum() / denom
         step_loss = objective.feature_weight * feature_loss + objective.ce_weight * ce_loss
         if objective.topk_weight:
