@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, repeat_kv
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from .configuration_poss import PosSDraftConfig
 
@@ -92,9 +92,10 @@ class PosSAttention(nn.Module):
         cos, sin = position_embeddings
         queries = self._heads(self.q_proj(hidden_states), self.num_heads)
         queries = queries * cos.unsqueeze(1) + _rotate_half(queries) * sin.unsqueeze(1)
-        groups = self.num_heads // self.num_kv_heads
+        # query heads share their key/value head inside the kernel (no repeated copy of the keys and values)
+        grouped = self.num_heads != self.num_kv_heads
         out = F.scaled_dot_product_attention(
-            queries, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=attention_mask, scale=self.scaling
+            queries, keys, values, attn_mask=attention_mask, scale=self.scaling, enable_gqa=grouped
         )
         batch, _, length, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))

@@ -133,3 +133,36 @@ def test_fused_projections_hold_no_output_after_every_member_read_it():
         target(torch.randint(3, 90, (1, 40)))
     groups = {id(m.__dict__["_fused"]): m.__dict__["_fused"] for m in target.modules() if "_fused" in m.__dict__}
     assert groups and all(group._last is None for group in groups.values())
+
+
+def test_a_quantized_draft_shares_one_fbgemm_call_between_siblings_bit_for_bit():
+    """k/v and gate/up of a draft (one activation scale per call) read the same input: one call serves both, with the
+    bits of each member's own call."""
+    from torch.profiler import profile
+
+    from transformers_poss import PosSDraftConfig, PosSDraftModel
+
+    if not kernels.fbgemm_available():
+        pytest.skip("this torch build has no fbgemm: drafts keep per-token scales")
+    target = tiny_llama_target()
+    draft = quantize_int8(PosSDraftModel(PosSDraftConfig.for_target(target.config, num_specialists=1,
+                                                                     positions_per_specialist=1)))
+    layer = draft.layers[0]
+    x = torch.randn(1, 4, layer.mlp.gate_proj.in_features)
+    for group in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
+        parent = getattr(layer, group[0])
+        members = [getattr(parent, name) for name in group[1]]
+        assert isinstance(members[0].__dict__.get("_fused"), FusedProjections)
+        alone = []
+        for member in members:  # each member's own fbgemm call on an unfused copy
+            single = Int8Linear.__new__(Int8Linear)
+            torch.nn.Module.__init__(single)
+            single.out_features, single.in_features, single.per_token = member.out_features, member.in_features, False
+            for name in ("weight_int8_t", "weight_scale", "bias"):
+                value = getattr(member, name)
+                single.register_buffer(name, None if value is None else value.clone())
+            alone.append(single(x))
+        with profile() as prof:
+            shared = [member(x) for member in members]
+        calls = [e.name for e in prof.events()].count("quantized::linear_dynamic")
+        assert calls == 1 and all(torch.equal(a, b) for a, b in zip(shared, alone))

@@ -65,6 +65,23 @@ def _scaled(product: torch.Tensor, rows: QuantizedRows, weight_scale: torch.Tens
     return out
 
 
+def pack_dynamic(weight_int8_t: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+    """fbgemm's packed `[in, out]` int8 weight with its per-channel scales and bias, for ``per_token=False``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch marks its quantized tensor API as deprecated
+        qweight = torch._make_per_channel_quantized_tensor(
+            weight_int8_t.t().contiguous(), weight_scale.double(), torch.zeros_like(weight_scale, dtype=torch.long), 0)
+        return torch.ops.quantized.linear_prepack(qweight, bias)
+
+
+def dynamic_product(hidden: torch.Tensor, in_features: int, packed) -> torch.Tensor:
+    """`[..., in]` -> `[M, out]` float32 in ONE fbgemm call that quantizes all rows with one scale (drafts only)."""
+    reduce_range = not fbgemm_available("fbgemm8")  # 7-bit activations where 8-bit ones could saturate
+    rows = hidden if hidden.dim() == 2 else hidden.reshape(-1, in_features)
+    rows = rows if rows.dtype == torch.float32 else rows.float()
+    return torch.ops.quantized.linear_dynamic(rows, packed, reduce_range)
+
+
 # ---------------------------------------------------------------------------------------------------- module
 class Int8Linear(nn.Module):
     """``y = x W^T + b`` with int8 ``W`` (per output channel scales) and per-token int8 activations.
@@ -111,15 +128,12 @@ class Int8Linear(nn.Module):
         """`[..., in]` -> `[..., out]` in the input's dtype; rows never influence each other (unless ``per_token`` is
         False: then one fbgemm call quantizes all rows with one scale, fewer operators for a draft's small steps)."""
         fused = self.__dict__.get("_fused")
-        if not self.per_token and self.weight_int8_t.device.type == "cpu" and fbgemm_available():
-            reduce_range = not fbgemm_available("fbgemm8")  # 7-bit activations where 8-bit ones could saturate
-            rows = hidden if hidden.dim() == 2 else hidden.reshape(-1, self.in_features)
-            rows = rows if rows.dtype == torch.float32 else rows.float()
-            out = torch.ops.quantized.linear_dynamic(rows, self._dynamic_packed(), reduce_range)
+        if fused is not None and fused.is_current():
+            out = fused.output(self, hidden)
+        elif self.dynamic():
+            out = dynamic_product(hidden, self.in_features, self._dynamic_packed())
             if hidden.dim() == 2 and out.dtype == hidden.dtype:
                 return out
-        elif fused is not None and fused.is_current():
-            out = fused.output(self, hidden)
         else:
             rows = quantize_input(hidden, self.in_features)
             if self.weight_int8_t.device.type == "cpu":
@@ -131,6 +145,10 @@ class Int8Linear(nn.Module):
         if out.dtype != hidden.dtype:
             out = out.to(hidden.dtype)
         return out.reshape(*hidden.shape[:-1], self.out_features)
+
+    def dynamic(self) -> bool:
+        """Whether this linear runs as one fbgemm call with one activation scale per call (``per_token=False``)."""
+        return not self.per_token and self.weight_int8_t.device.type == "cpu" and fbgemm_available()
 
     def _kernel_state(self) -> KernelState:
         """The kernels' view of the weight, built at first use (not saved; rebuilt when the buffer is replaced)."""
@@ -147,13 +165,7 @@ class Int8Linear(nn.Module):
         weight = self.weight_int8_t
         cached = self.__dict__.get("_dynamic")
         if cached is None or cached[0] is not weight or cached[1] != weight._version:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # torch marks its quantized tensor API as deprecated
-                qweight = torch._make_per_channel_quantized_tensor(
-                    weight.t().contiguous(), self.weight_scale.double(),
-                    torch.zeros_like(self.weight_scale, dtype=torch.long), 0)
-                packed = torch.ops.quantized.linear_prepack(qweight, self.bias)
-            cached = (weight, weight._version, packed)
+            cached = (weight, weight._version, pack_dynamic(weight, self.weight_scale, self.bias))
             self.__dict__["_dynamic"] = cached
         return cached[2]
 
@@ -174,7 +186,8 @@ class FusedProjections:
     member called with an input computes every member's output; the others return their slice while the very same
     input tensor comes again unmodified, and compute the whole product again otherwise (correct, only slower).
     Each output is bit-identical to the member's own product: the integer product of a channel does not depend on
-    the other channels, and the scales are applied elementwise.
+    the other channels, and the scales are applied elementwise. Members with ``per_token=False`` (drafts) share one
+    fbgemm call the same way: its one activation scale comes from the shared input, as in each member's own call.
     """
 
     def __init__(self, members: list[Int8Linear]):
@@ -195,6 +208,7 @@ class FusedProjections:
         self.views = [(m.weight_int8_t, m.weight_scale, m.bias) for m in members]
         self.weight, self.weight_scale, self.bias = weight, scale, bias
         self.state, self.version = KernelState(weight), self._versions()
+        self._dynamic = None  # fbgemm's packed whole, built when the members run with ``per_token=False``
         self._last = None
 
     def _versions(self) -> tuple[int, ...]:
@@ -208,19 +222,28 @@ class FusedProjections:
     def output(self, member: Int8Linear, hidden: torch.Tensor) -> torch.Tensor:
         """``member``'s `[M, out]` float output for `[..., in]` ``hidden``."""
         if self.version != self._versions():  # loaded in place (the views share their whole's version counter)
-            self.state, self.version, self._last = KernelState(self.weight), self._versions(), None
+            self.state, self.version, self._last, self._dynamic = KernelState(self.weight), self._versions(), None, None
         version = version_of(hidden)
         last = self._last
         if last is None or last[0] is not hidden or last[1] != version or id(member) in last[3]:
-            rows = quantize_input(hidden, self.state.weight_int8_t.shape[0])
-            product = self.state.product(rows, choose_kernel(self.state, rows.num_rows))
-            last = self._last = (hidden, version, _scaled(product, rows, self.weight_scale, self.bias), set())
+            last = self._last = (hidden, version, self._product(member, hidden), set())
         served = last[3]
         served.add(id(member))
         if len(served) == len(self.members):  # every member has its slice: hold nothing between forwards
             self._last = None
         start, stop = self.spans[id(member)]
         return last[2][:, start:stop]
+
+    def _product(self, member: Int8Linear, hidden: torch.Tensor) -> torch.Tensor:
+        """Every member's output for ``hidden``, `[M, sum(out)]`, the way ``member`` computes (per token or not)."""
+        in_features = self.weight.shape[0]
+        if member.dynamic():
+            if self._dynamic is None:
+                self._dynamic = pack_dynamic(self.weight, self.weight_scale, self.bias)
+            return dynamic_product(hidden, in_features, self._dynamic)
+        rows = quantize_input(hidden, in_features)
+        product = self.state.product(rows, choose_kernel(self.state, rows.num_rows))
+        return _scaled(product, rows, self.weight_scale, self.bias)
 
 
 def fuse_projections(model: nn.Module) -> int:
@@ -315,8 +338,7 @@ def quantize_int8(model: nn.Module, include_lm_head: bool = True, exact_attentio
                 quantized = Int8Linear.from_linear(child)
                 quantized.per_token = per_token
                 setattr(parent, name, quantized)
-    if per_token:
-        fuse_projections(model)
+    fuse_projections(model)
     # the kernels available here key cost profiles (the per-shape choice is timed at first use)
     model._poss_quantized = f"int8/v{KERNEL_VERSION}/" + "+".join(available_kernels()) + ("" if per_token else "/dynamic")
     model.save_pretrained = types.MethodType(_refuse_save, model)

@@ -25,37 +25,40 @@ from .tree import BatchedTree, DraftTree, batched_ancestor_mask
 
 class _RoundState:
     """Tree rows fed to the draft during one round, for B rows: fused inputs `[B, R, F]` (F =
-    ``config.fused_size``), positions `[B, R]`,
-    ancestry `[B, R, R]` among them, and each specialist's keys/values of them."""
+    ``config.fused_size``), their RoPE (cos, sin) `[B, R, head_dim]` each, ancestry `[B, R, R]` among them, and each
+    specialist's keys/values of them."""
 
     def __init__(self):
         self.hidden: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None
+        self.last: torch.Tensor | None = None  # the rows added last, as given (fused int8 q/k/v match inputs by identity)
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.ancestry: torch.Tensor | None = None
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # specialist -> (keys, values, rows done)
 
-    def add(self, hidden, positions, parent_rows: torch.LongTensor | None):
-        """Append `[B, k, F]` fused inputs at `[B, k]` positions whose parents are rows `[B, k]` ``parent_rows`` (None:
-        the first layer, children of the roots)."""
+    def add(self, hidden, rope, parent_rows: torch.LongTensor | None):
+        """Append `[B, k, F]` fused inputs with their RoPE (cos, sin) whose parents are rows `[B, k]` ``parent_rows``
+        (None: the first layer, children of the roots)."""
         batch, k, _ = hidden.shape
+        self.last = hidden
         eye = torch.eye(k, dtype=torch.bool, device=hidden.device).expand(batch, k, k)
         if self.hidden is None:
-            self.hidden, self.positions, self.ancestry = hidden, positions, eye
+            self.hidden, self.rope, self.ancestry = hidden, rope, eye
             return
         rows = self.ancestry.shape[1]
         inherited = self.ancestry.gather(1, parent_rows[..., None].expand(batch, k, rows))  # [B, k, R]
         top = torch.cat([self.ancestry, eye.new_zeros(batch, rows, k)], dim=2)
         self.ancestry = torch.cat([top, torch.cat([inherited, eye], dim=2)], dim=1)
         self.hidden = torch.cat([self.hidden, hidden], dim=1)
-        self.positions = torch.cat([self.positions, positions], dim=1)
+        self.rope = tuple(torch.cat([old, new], dim=1) for old, new in zip(self.rope, rope))
 
-    def keys_values(self, specialist: int, layer, draft):
+    def keys_values(self, specialist: int, layer):
         """Keys/values of every fed row under ``specialist`` (only rows not yet projected are computed)."""
         keys, values, done = self.kv.get(specialist, (None, None, 0))
         total = self.hidden.shape[1]
         if done < total:
-            hidden = self.hidden[:, done:]
-            new_k, new_v = layer.project_kv(hidden, draft.position_embeddings(hidden, self.positions[:, done:]))
+            rope = self.rope if done == 0 else tuple(part[:, done:] for part in self.rope)
+            new_rows = self.last if total - done == self.last.shape[1] else self.hidden[:, done:]
+            new_k, new_v = layer.project_kv(new_rows, rope)
             keys = new_k if keys is None else torch.cat([keys, new_k], dim=-2)
             values = new_v if values is None else torch.cat([values, new_v], dim=-2)
             self.kv[specialist] = (keys, values, total)
@@ -187,13 +190,12 @@ class PosSProposer:
             specialist = draft.config.specialist_for_step(step)
             layer = draft.layers[specialist]
             hidden = draft.fuse(frontier_tokens, frontier_features)  # [B, k, F]: the draft's own H-wide features
-            node_positions = (root_positions + step).expand(batch, k)
-            state.add(hidden, node_positions, frontier_rows)
+            emb = draft.position_embeddings(hidden, (root_positions + step).expand(batch, k))
+            state.add(hidden, emb, frontier_rows)
             total = state.hidden.shape[1]
             ctx_keys, ctx_values = self._catch_up(specialist, positions)
-            tree_keys, tree_values = state.keys_values(specialist, layer, draft)
+            tree_keys, tree_values = state.keys_values(specialist, layer)
             mask = torch.cat([context_mask, state.ancestry[:, total - k :]], dim=2)[:, None]  # [B, 1, k, L + R]
-            emb = draft.position_embeddings(hidden, node_positions)
             keys, values = torch.cat([ctx_keys, tree_keys], -2), torch.cat([ctx_values, tree_values], -2)
             out = layer(hidden, emb, keys, values, mask)  # [B, k, H]
 

@@ -187,14 +187,13 @@ class SampledTreeProposer(PosSProposer):
             specialist = draft.config.specialist_for_step(level)
             layer = draft.layers[specialist]
             hidden = draft.fuse(level_tokens.gather(1, best), features)
-            node_positions = (root_positions + level).expand(batch, best.shape[1])
-            state.add(hidden, node_positions, None if level == 1 else frontier_start + parent_of_best)
+            emb = draft.position_embeddings(hidden, (root_positions + level).expand(batch, best.shape[1]))
+            state.add(hidden, emb, None if level == 1 else frontier_start + parent_of_best)
             total = state.hidden.shape[1]
             ctx_keys, ctx_values = self._catch_up(specialist, positions)
-            tree_keys, tree_values = state.keys_values(specialist, layer, draft)
+            tree_keys, tree_values = state.keys_values(specialist, layer)
             fed = best.shape[1]
             mask = torch.cat([context_mask.expand(batch, fed, -1), state.ancestry[:, total - fed :]], dim=2)[:, None]
-            emb = draft.position_embeddings(hidden, node_positions)
             out = layer(hidden, emb, torch.cat([ctx_keys, tree_keys], -2), torch.cat([ctx_values, tree_values], -2),
                         mask)  # fmt: skip
             logq = self.warping(draft.compute_logits(out))
