@@ -298,3 +298,45 @@ def test_a_profile_far_from_the_measured_costs_is_measured_again(tmp_path, monke
     path.write_text(profile.to_json())
     cost_profile.forget_profile(profile.key, "test")
     assert not path.exists()
+
+
+def _run_rounds(budget, rounds, plain_seconds, round_seconds, tokens=2):
+    """Drive ``budget`` like the loop does (which hands over at a fall-back); the costs are functions of the round
+    index. Returns the round at which a fall-back was decided (or None) and the indices of the plain probes."""
+    probes = []
+    for _ in range(rounds):
+        if budget.should_fall_back():
+            return budget.round_index, probes
+        index = budget.round_index
+        if budget.plain_probe_due():
+            probes.append(index)
+            budget.observe_plain(plain_seconds(index), verify_seconds=plain_seconds(index))
+            continue
+        budget.choose(torch.tensor([0.0, -0.1, -0.2, -0.3]), torch.tensor([0, 1, 2, 3]))
+        budget.observe(tokens - 1)
+        budget.observe_seconds(round_seconds(index), verify_seconds=round_seconds(index), nodes=4)
+    return None, probes
+
+
+def test_load_that_arrives_after_the_probes_does_not_end_speculation():
+    """Rounds pay 1.67x; from round 6 on other work doubles every cost. Compared with the early (unloaded) probes
+    the loaded rounds look slower than plain decoding, but each probe is paired with the rounds beside it and a
+    fall-back needs a fresh probe, which sees the load too."""
+    profile = _profile({1: 0.01, 8: 0.01}, draft=0.0)
+    budget = TreeBudget(profile, depth=3, max_nodes=8, warmup_rounds=8, plain_probes=(1, 3), plain_probe_every=32)
+    load = lambda index: 2.0 if index >= 6 else 1.0  # noqa: E731
+    decided, probes = _run_rounds(budget, 40, lambda i: 0.010 * load(i), lambda i: 0.012 * load(i))
+    assert decided is None and budget.measured_speedup() > 1.3
+    totals = budget.measured_tokens / budget.measured_seconds * sorted(budget.plain_seconds)[0]
+    assert totals < 1.0  # what the call's totals against the unloaded probe would have said
+
+
+def test_a_losing_call_falls_back_only_on_a_fresh_probe():
+    """Rounds at 0.8x of plain decoding: once the warm-up is over, a probe is taken beside the latest rounds, and
+    the fall-back follows it (not a comparison with probes many rounds old)."""
+    profile = _profile({1: 0.01, 8: 0.01}, draft=0.0)
+    budget = TreeBudget(profile, depth=3, max_nodes=8, warmup_rounds=8, plain_probes=(1, 3), plain_probe_every=32)
+    decided, probes = _run_rounds(budget, 16, lambda i: 0.010, lambda i: 0.025)
+    assert decided is not None and probes[:2] == [1, 3] and len(probes) == 3
+    assert 0 < decided - probes[-1] <= TreeBudget.PAIR_WINDOW
+    assert abs(budget.measured_speedup() - 0.8) < 1e-9

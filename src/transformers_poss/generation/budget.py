@@ -63,6 +63,8 @@ class TreeBudget:
         self.predicted_seconds = 0.0  # their time under this machine's profile
         self.measured_seconds = 0.0  # wall time of the observed rounds (drafting to cache update), when given
         self.measured_tokens = 0
+        self.timed_rounds: list[tuple[int, float, int]] = []  # (round index, seconds, tokens) of speculative rounds
+        self.plain_rounds: list[tuple[int, float]] = []  # (round index, seconds) of the plain probes
         self.plain_seconds: list[float] = []  # wall time of root-only rounds: a plain decoding step measured now
         self.plain_verify_ratios: list[float] = []  # measured / profiled t(1) of those rounds' target forwards
         self.verify_ratios: list[float] = []  # measured / profiled t(n) of the speculative rounds' verifications
@@ -147,31 +149,62 @@ class TreeBudget:
             self.verify_ratios.append(verify_seconds / self.profile.verify(nodes))
         if self.rounds <= 1:  # the first round also feeds the whole prompt to the draft: not a typical round
             return
+        tokens = getattr(self, "_last_tokens", 1)
         self.measured_seconds += seconds
-        self.measured_tokens += getattr(self, "_last_tokens", 1)
+        self.measured_tokens += tokens
+        self.timed_rounds.append((self.round_index - 1, seconds, tokens))
+
+    PAIR_WINDOW = 4  # a plain probe is compared with the speculative rounds at most this many rounds away
 
     def plain_probe_due(self) -> bool:
         """Whether this round should be one plain decoding step (a root-only tree, nothing drafted): it measures what a
-        decode step costs on this machine now, under its present load and kernels, for `measured_speedup`."""
+        decode step costs on this machine now, under its present load and kernels, for `measured_speedup`. Besides the
+        schedule (``plain_probes``, then every ``plain_probe_every`` rounds), a fall-back is only decided on a fresh
+        probe: while the measurements say speculation loses, a probe is due once the last one is older than
+        ``PAIR_WINDOW`` rounds."""
         index = self.round_index
-        return index in self.plain_probes or (index > max(self.plain_probes, default=0)
-                                              and index % self.plain_probe_every == 0)
+        scheduled = index in self.plain_probes or (index > max(self.plain_probes, default=0)
+                                                   and index % self.plain_probe_every == 0)
+        return scheduled or (self._losing() and not self._fresh_probe())
 
     def observe_plain(self, seconds: float, verify_seconds: float | None = None) -> None:
         """Record a plain probe round (one token in ``seconds``, its target forward in ``verify_seconds``)."""
         self.plain_seconds.append(seconds)
+        self.plain_rounds.append((self.round_index, seconds))
         if verify_seconds is not None:
             self.plain_verify_ratios.append(verify_seconds / self.profile.verify(1))
         self.round_index += 1
 
     def measured_speedup(self) -> float | None:
-        """Tokens per second of the speculative rounds over the plain probe rounds, both measured in this call (None
-        until both exist). Unlike `predicted_speedup` it needs no cost profile, so a stale or mis-measured profile
-        (another machine, load while it was measured, a new kernel) cannot mislead the fall-back decision."""
-        if not self.plain_seconds or self.measured_seconds <= 0:
+        """Tokens per second of the speculative rounds over plain probe rounds measured beside them in this call
+        (None until both exist). Unlike `predicted_speedup` it needs no cost profile, so a stale or mis-measured
+        profile (another machine, load while it was measured, a new kernel) cannot mislead the fall-back decision.
+
+        Each probe is paired with the speculative rounds at most ``PAIR_WINDOW`` rounds away (their tokens per second
+        times the probe's step time) and the median over probes is returned: load that comes and goes during the
+        call slows both sides of a pair alike instead of tipping the comparison."""
+        if not self.plain_rounds or not self.timed_rounds:
             return None
-        plain = sorted(self.plain_seconds)[len(self.plain_seconds) // 2]
-        return (self.measured_tokens / self.measured_seconds) * plain
+        paired = []
+        for index, plain in self.plain_rounds:
+            near = [(seconds, tokens) for i, seconds, tokens in self.timed_rounds if abs(i - index) <= self.PAIR_WINDOW]
+            if len(near) >= 2:
+                paired.append(sum(t for _, t in near) / sum(s for s, _ in near) * plain)
+        if not paired:  # no probe has rounds beside it yet: the call's totals
+            plain = sorted(self.plain_seconds)[len(self.plain_seconds) // 2]
+            return (self.measured_tokens / self.measured_seconds) * plain
+        paired.sort()
+        middle = len(paired) // 2
+        return paired[middle] if len(paired) % 2 else (paired[middle - 1] + paired[middle]) / 2
+
+    def _losing(self) -> bool:
+        if self.rounds < self.warmup_rounds:
+            return False
+        measured = self.measured_speedup()
+        return measured is not None and measured < self.min_speedup
+
+    def _fresh_probe(self) -> bool:
+        return bool(self.plain_rounds) and self.round_index - self.plain_rounds[-1][0] <= self.PAIR_WINDOW
 
     def profile_error(self) -> float | None:
         """How far the profile's cost SHAPE is from this call's measurements (>= 1; None until measured): the
@@ -195,11 +228,14 @@ class TreeBudget:
 
     def should_fall_back(self) -> bool:
         """After the warm-up rounds: is speculation slower than plain decoding? Measured in this call where plain
-        probe rounds exist (`measured_speedup`), else predicted from the profile (`predicted_speedup`)."""
+        probe rounds exist (`measured_speedup`, and only once a probe at most ``PAIR_WINDOW`` rounds old confirms
+        it), else predicted from the profile (`predicted_speedup`)."""
         if self.rounds < self.warmup_rounds:
             return False
         measured = self.measured_speedup()
-        return (measured if measured is not None else self.predicted_speedup()) < self.min_speedup
+        if measured is None:
+            return self.predicted_speedup() < self.min_speedup
+        return measured < self.min_speedup and self._fresh_probe()
 
 
 # ---------------------------------------------------------------------------------------------------- replay
