@@ -340,3 +340,31 @@ def test_a_losing_call_falls_back_only_on_a_fresh_probe():
     assert decided is not None and probes[:2] == [1, 3] and len(probes) == 3
     assert 0 < decided - probes[-1] <= TreeBudget.PAIR_WINDOW
     assert abs(budget.measured_speedup() - 0.8) < 1e-9
+
+
+def test_rounds_with_nothing_to_verify_are_timed_as_plain_steps(monkeypatch):
+    """With context candidates the budget may draft nothing (depth 0) and the context may offer nothing: such a
+    root-only round is a plain step, so it feeds the plain side of the comparison, never the speculative side (where
+    it would look like speculation that did not pay and end the call's speculation)."""
+    from transformers_poss.generation import budget as budget_module
+
+    monkeypatch.setattr(budget_module, "load_or_measure_profile", lambda *a, **k: _profile({1: 0.01, 8: 0.01}))
+    monkeypatch.setattr(TreeBudget, "choose", lambda self, scores, depths=None, drafted_depth=None: (
+        torch.zeros(1, dtype=torch.long), 1.0))  # every round: keep the root only
+    seen = {"plain": 0, "speculative": 0}
+    plain, speculative = TreeBudget.observe_plain, TreeBudget.observe_seconds
+
+    def count(kind, method):
+        def wrapper(self, *args, **kwargs):
+            seen[kind] += 1
+            return method(self, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(TreeBudget, "observe_plain", count("plain", plain))
+    monkeypatch.setattr(TreeBudget, "observe_seconds", count("speculative", speculative))
+    target = tiny_llama()
+    draft = tiny_draft(target)
+    draft.generation_config.tree_total_tokens = "auto"
+    draft.generation_config.tree_context_candidates = True
+    stats = _generate(target, draft)
+    assert not stats.fell_back_to_plain and seen["speculative"] == 0 and seen["plain"] == stats.num_rounds == 23

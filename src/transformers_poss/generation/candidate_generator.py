@@ -163,6 +163,9 @@ class PosSCandidateGenerator(CandidateGenerator):
         """Feed a verified round back: calibrates the automatic budget; records rounds when asked."""
         if self._probe:
             return
+        if self.budget is not None and tree.num_nodes == 1:  # nothing to verify: a plain step (see observe_seconds)
+            self._probe = True
+            return
         if self.budget is not None and not self.fell_back:
             self.budget.observe(accepted.num_accepted)
         if self.context is not None and tree.sources is not None:
@@ -191,7 +194,9 @@ class PosSCandidateGenerator(CandidateGenerator):
 
     def observe_seconds(self, seconds: float, verify_seconds: float | None = None, nodes: int | None = None) -> None:
         """The measured wall time of the round just finished (drafting to cache update) and of its verification of
-        ``nodes`` nodes, for the budget."""
+        ``nodes`` nodes, for the budget. A round with nothing to verify (a plain probe, or a root-only tree: the
+        budget chose to draft nothing and the context offered nothing) is timed as the plain step it is, so rounds
+        that do not speculate never count as speculation that did not pay."""
         if self.budget is None or self.fell_back:
             return
         if self._probe:
