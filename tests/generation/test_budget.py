@@ -368,3 +368,51 @@ def test_rounds_with_nothing_to_verify_are_timed_as_plain_steps(monkeypatch):
     draft.generation_config.tree_context_candidates = True
     stats = _generate(target, draft)
     assert not stats.fell_back_to_plain and seen["speculative"] == 0 and seen["plain"] == stats.num_rounds == 23
+
+
+def test_a_pause_then_speculation_again_and_the_hand_over_once_a_pause_outlasts_the_call(monkeypatch):
+    """Speculation found not to pay is paused for 16 plain rounds (root-only, counted as plain steps), then drafted
+    again; only when the next pause would outlast the call does the stock loop take over. Greedy output is unchanged
+    throughout."""
+    from transformers_poss.generation import budget as budget_module
+
+    monkeypatch.setattr(budget_module, "load_or_measure_profile", lambda *a, **k: _profile({1: 1.0, 64: 1.0}, 0.01))
+    monkeypatch.setattr(TreeBudget, "plain_probe_due", lambda self: False)
+    losing = {"rounds": set()}  # the drafted-round counts at which the budget finds that speculation loses
+
+    def should_fall_back(self):
+        return self.rounds >= max(self.warmup_rounds, self.resume_rounds) and self.rounds in losing["rounds"]
+
+    monkeypatch.setattr(TreeBudget, "should_fall_back", should_fall_back)
+    target = tiny_llama()
+    draft = tiny_draft(target)
+    draft.generation_config.tree_total_tokens = "auto"
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    plain = target.generate(ids, max_new_tokens=60, do_sample=False)
+
+    losing["rounds"] = {8}  # once: a pause, then speculation to the end
+    out = target.generate(ids, assistant_model=draft, max_new_tokens=60, do_sample=False, return_dict_in_generate=True)
+    stats = out.acceptance
+    assert torch.equal(out.sequences, plain) and not stats.fell_back_to_plain and stats.plain_steps == 16
+    assert stats.tree_depths[8:24] == [0] * 16 and all(d > 0 for d in stats.tree_depths[24:-1])
+
+    losing["rounds"] = {8, 12}  # again after the pause: the next pause (32 rounds) would outlast the call
+    out = target.generate(ids, assistant_model=draft, max_new_tokens=60, do_sample=False, return_dict_in_generate=True)
+    stats = out.acceptance
+    assert torch.equal(out.sequences, plain) and stats.fell_back_to_plain
+    assert stats.tree_depths[8:24] == [0] * 16 and stats.num_rounds == len(stats.tree_depths)
+
+
+def test_a_profile_measured_under_load_is_made_monotone_and_one_far_off_in_scale_is_dropped():
+    from transformers_poss.generation.cost_profile import monotone
+
+    # measured beside other work: t(3) and t(4) far above t(24); a forward over more tokens never costs less
+    measured = {1: 0.225, 2: 0.449, 3: 4.04, 4: 4.0, 16: 2.55, 24: 0.648, 32: 0.643, 64: 1.24}
+    assert monotone(measured) == {1: 0.225, 2: 0.449, 3: 0.643, 4: 0.643, 16: 0.643, 24: 0.643, 32: 0.643, 64: 1.24}
+    assert monotone({1: 1.0, 2: 1.5, 4: 2.0}) == {1: 1.0, 2: 1.5, 4: 2.0}  # a sane curve is kept as it is
+    # its shape may even match the drafted rounds, but plain steps cost a quarter of its t(1): measured again
+    budget = TreeBudget(_profile({1: 0.2, 8: 0.4}), depth=3, max_nodes=8)
+    for _ in range(3):
+        budget.observe_plain(0.05, verify_seconds=0.05)
+    assert budget.plain_cost_error() == 4.0
+    assert TreeBudget(_profile({1: 0.2, 8: 0.4}), depth=3, max_nodes=8).plain_cost_error() is None

@@ -139,7 +139,8 @@ def test_smollm2_auto_budget_hands_over_to_plain_decoding(quantize, monkeypatch)
         return original(self, input_ids, *args, **kwargs)
 
     monkeypatch.setattr(GenerationMixin, "_sample", spy)
-    monkeypatch.setattr(TreeBudget, "should_fall_back", lambda self: self.rounds >= 2)
+    monkeypatch.setattr(TreeBudget, "FIRST_PAUSE", 0)  # hand over at once (no plain stretch first)
+    monkeypatch.setattr(TreeBudget, "should_fall_back", lambda self: self.round_index >= 2)
     for text in _questions(3):
         ids = _chat_ids(tokenizer, text)
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
@@ -148,3 +149,32 @@ def test_smollm2_auto_budget_hands_over_to_plain_decoding(quantize, monkeypatch)
         out = target.generate(ids, assistant_model=draft, return_dict_in_generate=True, **kwargs)
         assert out.sequences.tolist() == expected.tolist(), text
         assert out.acceptance.fell_back_to_plain and len(continued) == 1 and out.acceptance.plain_steps > 0
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_smollm2_auto_budget_pauses_and_speculates_again(quantize, monkeypatch):
+    """The budget pausing speculation after 2 rounds: 16 plain rounds in the tree loop, then drafted rounds again,
+    token-identical to plain greedy generate (fp32 sdpa, and int8 with exact attention)."""
+    from transformers_poss import quantize_int8
+    from transformers_poss.generation import budget as budget_module
+    from transformers_poss.generation.budget import CostProfile, TreeBudget
+
+    target, tokenizer = _load("smollm2-135m-instruct")  # a fresh copy: quantized in place
+    draft = _draft(target, TRAINED_DRAFT)
+    if quantize == "int8":
+        quantize_int8(target)
+        draft = quantize_int8(draft)
+    gen = draft.generation_config
+    gen.tree_depth, gen.tree_top_k, gen.tree_total_tokens, gen.tree_max_total_tokens = 3, 4, "auto", 16
+    gen.tree_context_candidates = False  # every round drafts (the budget cannot choose to draft nothing)
+    flat = CostProfile(key="flat", verify_seconds={1: 1.0, 64: 1.0}, draft_context_seconds=0.01, draft_step_seconds=0.01)
+    monkeypatch.setattr(budget_module, "load_or_measure_profile", lambda *a, **k: flat)  # trees pay: nodes are kept
+    monkeypatch.setattr(TreeBudget, "should_fall_back", lambda self: self.rounds == 2 and not self.pauses)
+    for text in _questions(2):
+        ids = _chat_ids(tokenizer, text)
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False)
+        expected = target.generate(ids, **kwargs)
+        out = target.generate(ids, assistant_model=draft, return_dict_in_generate=True, **kwargs)
+        stats = out.acceptance
+        assert out.sequences.tolist() == expected.tolist(), text
+        assert not stats.fell_back_to_plain and stats.plain_steps == 16 and max(stats.tree_depths[19:]) > 0

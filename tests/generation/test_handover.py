@@ -27,6 +27,7 @@ def fall_back_after(monkeypatch):
     the list of input lengths `_sample` was called with to continue a cache (the hand-over)."""
     monkeypatch.setattr(budget_module, "load_or_measure_profile", lambda *a, **k: FLAT)
     monkeypatch.setattr(TreeBudget, "plain_probe_due", lambda self: False)  # every round a tree round
+    monkeypatch.setattr(TreeBudget, "FIRST_PAUSE", 0)  # no plain stretch first: the fall-back hands over at once
     sample_calls = []
     original = GenerationMixin._sample
 

@@ -84,6 +84,9 @@ def loss_reason(stats, speedup: float) -> str | None:
     if getattr(stats, "fell_back_to_plain", False):
         return ("the automatic budget measured that rounds did not pay on this machine and handed the rest of the "
                 "answer to plain decoding (its measuring rounds cost the difference)")
+    if getattr(stats, "plain_steps", 0):
+        return (f"the automatic budget measured that rounds did not pay on this text and decoded {stats.plain_steps} "
+                "of its tokens plainly (its measuring rounds cost the difference)")
     length = stats.mean_acceptance_length
     if drafted_rounds(stats) < MIN_POSITION_ROUNDS:
         return f"only {drafted_rounds(stats)} speculative rounds: too short an answer to pay for the draft's set-up"

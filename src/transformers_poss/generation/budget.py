@@ -70,6 +70,9 @@ class TreeBudget:
         self.verify_ratios: list[float] = []  # measured / profiled t(n) of the speculative rounds' verifications
         self.plain_probes, self.plain_probe_every = tuple(plain_probes), plain_probe_every
         self.round_index = 0  # every round of the call, plain probes included
+        self.pauses = 0  # plain stretches started after speculation was found not to pay (see `start_pause`)
+        self.pause_until = 0  # round index at which the current plain stretch ends
+        self.resume_rounds = 0  # speculative rounds to observe again before the next fall-back decision
         self.chosen_depth = 0  # depth of the last round's kept nodes (0: root only)
         self.next_depth = depth  # depth to draft next round
         sizes = torch.arange(1, max_nodes + 1)
@@ -155,6 +158,25 @@ class TreeBudget:
         self.timed_rounds.append((self.round_index - 1, seconds, tokens))
 
     PAIR_WINDOW = 4  # a plain probe is compared with the speculative rounds at most this many rounds away
+    FIRST_PAUSE = 16  # plain rounds after speculation is first found not to pay; doubled at every later pause
+    RESUME_WARMUP = 4  # speculative rounds observed after a pause before the next decision
+
+    def next_pause(self) -> int:
+        """Plain rounds the next pause would last (0: pauses are off, a fall-back hands over at once)."""
+        return self.FIRST_PAUSE * 2**self.pauses
+
+    def start_pause(self) -> None:
+        """Speculation does not pay now: decode plainly for `next_pause` rounds, then speculate again and decide
+        afresh (the rounds before the pause no longer count). Load that came and went, or a part of the answer the
+        draft predicts badly, then costs a stretch of plain steps instead of the rest of the call."""
+        self.pause_until = self.round_index + self.next_pause()
+        self.pauses += 1
+        self.timed_rounds.clear()
+        self.resume_rounds = self.rounds + self.RESUME_WARMUP
+
+    def paused(self) -> bool:
+        """Whether this round falls in a plain stretch started by `start_pause`."""
+        return self.round_index < self.pause_until
 
     def plain_probe_due(self) -> bool:
         """Whether this round should be one plain decoding step (a root-only tree, nothing drafted): it measures what a
@@ -198,7 +220,7 @@ class TreeBudget:
         return paired[middle] if len(paired) % 2 else (paired[middle - 1] + paired[middle]) / 2
 
     def _losing(self) -> bool:
-        if self.rounds < self.warmup_rounds:
+        if self.rounds < max(self.warmup_rounds, self.resume_rounds):
             return False
         measured = self.measured_speedup()
         return measured is not None and measured < self.min_speedup
@@ -217,6 +239,15 @@ class TreeBudget:
         many = sorted(self.verify_ratios)[len(self.verify_ratios) // 2]
         return max(one / many, many / one)
 
+    def plain_cost_error(self) -> float | None:
+        """How far the profile's ``t(1)`` is from the plain rounds of this call (>= 1; None before 3 of them): a
+        profile measured under load that has gone, or on another machine, is off by a factor even where its shape is
+        not, and a budget that trusts a far too high cost never drafts the trees that would show it."""
+        if len(self.plain_verify_ratios) < 3:
+            return None
+        ratio = sorted(self.plain_verify_ratios)[len(self.plain_verify_ratios) // 2]
+        return max(ratio, 1.0 / ratio)
+
     def predicted_speedup(self) -> float:
         """Speed of the rounds so far over plain decoding on this machine: the tokens they actually produced per
         second of their profiled time (drafting at the drafted depth + verifying the kept nodes), over ``1 / t(1)``.
@@ -230,7 +261,7 @@ class TreeBudget:
         """After the warm-up rounds: is speculation slower than plain decoding? Measured in this call where plain
         probe rounds exist (`measured_speedup`, and only once a probe at most ``PAIR_WINDOW`` rounds old confirms
         it), else predicted from the profile (`predicted_speedup`)."""
-        if self.rounds < self.warmup_rounds:
+        if self.rounds < max(self.warmup_rounds, self.resume_rounds):
             return False
         measured = self.measured_speedup()
         if measured is None:

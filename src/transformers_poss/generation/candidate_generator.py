@@ -153,11 +153,24 @@ class PosSCandidateGenerator(CandidateGenerator):
         self.proposer.depth = self.budget.next_depth
         return tree.select(keep.to(tree.tokens.device))
 
-    def falls_back(self) -> bool:
-        """Whether the automatic budget has decided that speculation does not pay for the rest of the call."""
-        if self.budget is not None and not self.fell_back and self.budget.should_fall_back():
-            self.fell_back = True
+    def falls_back(self, remaining: int | None = None) -> bool:
+        """Whether the automatic budget has decided that speculation does not pay for the rest of the call.
+
+        When it finds that speculation does not pay now, the budget first pauses it (`budget.TreeBudget.start_pause`:
+        a stretch of plain rounds, then speculation again), as long as the pause is shorter than the ``remaining``
+        tokens; otherwise (or when ``remaining`` is not given) the call is handed to plain decoding for good."""
+        budget = self.budget
+        if budget is not None and not self.fell_back and not budget.paused() and budget.should_fall_back():
+            if remaining is not None and 0 < budget.next_pause() < remaining:
+                budget.start_pause()
+            else:
+                self.fell_back = True
         return self.fell_back
+
+    @property
+    def pausing(self) -> bool:
+        """Whether this round is part of a plain stretch the budget started (see `falls_back`)."""
+        return self.budget is not None and self.budget.paused()
 
     def observe(self, tree: DraftTree, accepted) -> None:
         """Feed a verified round back: calibrates the automatic budget; records rounds when asked."""
@@ -182,15 +195,21 @@ class PosSCandidateGenerator(CandidateGenerator):
     PROFILE_CHECK_MIN_SECONDS = 0.01  # below this t(1), host work dominates the loop's timings: no check
 
     def check_profile(self) -> None:
-        """At the end of a call: when the profile predicted this call's speed-up badly (measured with plain probe
-        rounds), drop the cached profile so that the next call measures the machine as it is now."""
+        """At the end of a call: when the profile's cost shape or its one-token cost is far from what this call
+        measured (plain probe rounds against drafted rounds), drop the cached profile so that the next call measures
+        the machine as it is now."""
         if self.budget is None or self.budget.profile.verify(1) < self.PROFILE_CHECK_MIN_SECONDS:
             return
-        error = self.budget.profile_error()
-        if error is not None and error > self.PROFILE_TOLERANCE:
+        shape, scale = self.budget.profile_error(), self.budget.plain_cost_error()
+        reason = None
+        if shape is not None and shape > self.PROFILE_TOLERANCE:
+            reason = f"its t(n) / t(1) is {shape:.1f}x off what this call measured"
+        elif scale is not None and scale > self.PROFILE_TOLERANCE:
+            reason = f"its t(1) is {scale:.1f}x off the plain steps this call measured"
+        if reason is not None:
             from .cost_profile import forget_profile
 
-            forget_profile(self.budget.profile.key, f"its t(n) / t(1) is {error:.1f}x off what this call measured")
+            forget_profile(self.budget.profile.key, reason)
 
     def observe_seconds(self, seconds: float, verify_seconds: float | None = None, nodes: int | None = None) -> None:
         """The measured wall time of the round just finished (drafting to cache update) and of its verification of
@@ -219,14 +238,14 @@ class PosSCandidateGenerator(CandidateGenerator):
         Returns:
             `(tree, None)`: the tree on the device of ``input_ids``; no candidate logits (the draft is deterministic).
         """
-        if self.falls_back():  # the loop hands over to plain decoding; a root-only tree is a plain step
+        if self.fell_back:  # the loop hands over to plain decoding; a root-only tree is a plain step
             return DraftTree.root_only(input_ids[0, -1]), None
         new_tokens, new_features = new_tokens.to(self.device), new_features.to(self.device)
         if self._pending is not None:  # pairs accepted during plain probes: the draft reads them now
             new_tokens = torch.cat([self._pending[0], new_tokens], dim=1)
             new_features = torch.cat([self._pending[1], new_features], dim=1)
             self._pending = None
-        self._probe = self.budget is not None and self.budget.plain_probe_due()
+        self._probe = self.budget is not None and (self.budget.paused() or self.budget.plain_probe_due())
         if self._probe:  # one plain decoding step, timed: what a step costs here now (budget.measured_speedup)
             self._pending = (new_tokens, new_features)
             return DraftTree.root_only(input_ids[0, -1]), None

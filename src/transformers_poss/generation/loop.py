@@ -12,8 +12,9 @@ Each round:
    time through the stopping criteria (`emission.Emitter`), so generation stops exactly where plain ``generate``
    would.
 
-With ``tree_total_tokens="auto"`` a fallback decided by the budget hands the rest of the call to transformers' own
-decoding loop (`handover.continue_with_stock_loop`).
+With ``tree_total_tokens="auto"`` the budget may find that speculation does not pay: it first pauses it for a stretch
+of plain rounds (root-only trees, nothing drafted) and then speculates again; once a pause would outlast the call, a
+fallback hands the rest of the call to transformers' own decoding loop (`handover.continue_with_stock_loop`).
 """
 
 from __future__ import annotations
@@ -96,12 +97,15 @@ def tree_assisted_decoding(
     emitter.emit(token, scores, logits)
     new_tokens = torch.cat([input_ids[:, 1:], token[:, None]], dim=-1)
 
-    while not emitter.finished and not candidate_generator.falls_back():
+    while not emitter.finished and not candidate_generator.falls_back(
+            generation_config.max_length - emitter.input_ids.shape[1]):
         clock = round_start = time.perf_counter()
+        pausing = candidate_generator.pausing  # a plain stretch of the budget: timed and counted as plain decoding
+        spend = (lambda phase, seconds: stats.add_time("plain_decoding", seconds)) if pausing else stats.add_time
         tree, _ = candidate_generator.get_candidates(emitter.input_ids, new_tokens, new_features)
         budget = generation_config.max_length - emitter.input_ids.shape[1]
         tree = limit_tree_depth(tree, max(budget - 1, 0))
-        stats.add_time("drafting", time.perf_counter() - clock)
+        spend("drafting", time.perf_counter() - clock)
 
         clock = time.perf_counter()
         past_length = cache.get_seq_length()
@@ -109,7 +113,7 @@ def tree_assisted_decoding(
         logits, features = verify_tree(self, tree, cache, root_position, context_mask, feature_layers)
         logits = logits.to(dtype=torch.float32, device=input_ids.device)
         verify_seconds = time.perf_counter() - clock
-        stats.add_time("verification", verify_seconds)
+        spend("verification", verify_seconds)
 
         clock = time.perf_counter()
         accepted = accept_tree(tree, logits, emitter.input_ids, logits_processor, do_sample)
@@ -117,14 +121,16 @@ def tree_assisted_decoding(
         if tree.sources is not None:  # context candidates: which source proposed the accepted tokens
             stats.record_sources(tree.sources[accepted.path[1:].to(tree.sources.device)].tolist())
         candidate_generator.observe(tree, accepted)
-        stats.add_time("acceptance", time.perf_counter() - clock)
+        spend("acceptance", time.perf_counter() - clock)
 
         clock = time.perf_counter()
         compact_cache(cache, tree.num_nodes, accepted.path)
         if context_mask is not None:
             context_mask = torch.cat([context_mask, context_mask.new_ones(accepted.path.shape[0])])
-        stats.add_time("cache_update", time.perf_counter() - clock)
+        spend("cache_update", time.perf_counter() - clock)
         candidate_generator.observe_seconds(time.perf_counter() - round_start, verify_seconds, tree.num_nodes)
+        if pausing:
+            stats.record_paused_step()
 
         emitter.emit(accepted.tokens, accepted.scores, logits[accepted.path])
         new_tokens = accepted.tokens[None]

@@ -17,13 +17,14 @@ class AcceptanceStats:
         position_proposed (`list[int]`): at index ``i``, rounds that proposed a draft token at position ``i + 1``
             after accepting positions ``1..i``.
         timings (`dict[str, float]`): seconds spent per phase (drafting, verification, acceptance, cache_update;
-            plain_decoding after a fallback).
+            plain_decoding for rounds the budget paused speculation and after a fallback).
         rounds (`list`): per-round trees and accepted paths (`budget.RoundRecord`), when recording was asked for.
         fell_back_to_plain (`bool`): the automatic budget found that speculation does not pay on this machine and
             finished the call with plain decoding steps.
-        plain_steps (`int`): decoding steps run by transformers' own loop after such a fallback (single-row loop).
-            Each is one target forward producing one token, so each is also counted as a round of length 1 in
-            ``accepted_lengths`` (``mean_acceptance_length`` stays tokens per target forward).
+        plain_steps (`int`): plain decoding steps (single-row loop): those of transformers' own loop after such a
+            fallback, and the loop's own root-only rounds while the budget paused speculation. Each is one target
+            forward producing one token, so each is also counted as a round of length 1 in ``accepted_lengths``
+            (``mean_acceptance_length`` stays tokens per target forward).
         tree_depths (`list[int]`): single-row loop only, aligned with ``accepted_lengths``: the depth of the tree
             verified in that round (with ``tree_total_tokens="auto"`` the depth the budget chose; 0 for a root-only
             round or a plain step after a fallback).
@@ -81,12 +82,16 @@ class AcceptanceStats:
         self.accepted_lengths += [1] * count
         self.tree_depths += [0] * count
 
+    def record_paused_step(self) -> None:
+        """Count the round just recorded (a root-only round while the budget paused speculation) as a plain step."""
+        self.plain_steps += 1
+
     def add_time(self, phase: str, seconds: float) -> None:
         self.timings[phase] = self.timings.get(phase, 0.0) + seconds
 
     @property
     def plain_decoding_seconds(self) -> float:
-        """Seconds spent in transformers' own decoding loop after a fallback (0.0 without one)."""
+        """Seconds of plain decoding the budget decided: paused rounds and transformers' own loop after a fallback."""
         return self.timings.get("plain_decoding", 0.0)
 
     @property
