@@ -166,3 +166,17 @@ def test_a_quantized_draft_shares_one_fbgemm_call_between_siblings_bit_for_bit()
             shared = [member(x) for member in members]
         calls = [e.name for e in prof.events()].count("quantized::linear_dynamic")
         assert calls == 1 and all(torch.equal(a, b) for a, b in zip(shared, alone))
+
+
+def test_kernels_are_chosen_when_the_model_is_quantized(monkeypatch):
+    """Every weight shape and row bucket has its kernel before the first forward, so no forward (and no round a
+    speculation budget measures) pays for the timing."""
+    monkeypatch.setattr(kernels, "_choices", {})
+    target = quantize_int8(tiny_llama_target())
+    assert {b for (_, _, b) in kernels._choices} == set(kernels.ROW_BUCKETS)
+    timed = []
+    monkeypatch.setattr(kernels, "_time_kernels", lambda *a, **k: timed.append(a) or "int_mm")
+    with torch.no_grad():
+        for n in (1, 3, 16, 40, 70):
+            target(torch.randint(3, 90, (1, n)))
+    assert not timed and kernels._choices

@@ -7,7 +7,7 @@ integer matrix multiply. A token's output therefore depends only on that token, 
 forward: verifying a tree of n tokens gives each token the same linear outputs as decoding it alone.
 
 The integer product runs on the fastest exact kernel for each matrix shape and number of rows, timed on this
-machine at first use (``torch._int_mm``, fbgemm's 8-bit or 7-bit GEMM: see `int8_kernels`); every kernel gives the
+machine when a model is quantized (once per process and shape) (``torch._int_mm``, fbgemm's 8-bit or 7-bit GEMM: see `int8_kernels`); every kernel gives the
 same int32 product, so the choice never changes a bit. Sibling projections that read the same input (q/k/v,
 gate/up) share one quantization and one product ([`FusedProjections`]), with outputs bit-identical to computing them
 one by one. The per-channel and per-token scales are applied in the same order on every kernel.
@@ -37,6 +37,7 @@ from torch import nn
 
 from .int8_kernels import (
     ACTIVATION_LEVELS,
+    ROW_BUCKETS,
     KernelState,
     QuantizedRows,
     available_kernels,
@@ -261,6 +262,21 @@ def fuse_projections(model: nn.Module) -> int:
     return groups
 
 
+def choose_kernels(model: nn.Module) -> None:
+    """Time the kernel choice of every weight shape and row bucket of ``model`` now (once per process): at first
+    use it would be timed inside the first forwards that reach each bucket, and a speculation budget measuring those
+    rounds would see seconds of kernel timing as the cost of speculating."""
+    states = {}
+    for module in model.modules():
+        if isinstance(module, Int8Linear) and module.per_token and module.weight_int8_t.device.type == "cpu":
+            fused = module.__dict__.get("_fused")
+            state = fused.state if fused is not None and fused.is_current() else module._kernel_state()
+            states.setdefault(tuple(state.weight_int8_t.shape), state)
+    for state in states.values():
+        for bucket in ROW_BUCKETS:
+            choose_kernel(state, bucket)
+
+
 def linear_weight(module: nn.Module) -> torch.Tensor:
     """The float `[out, in]` weight of an ``nn.Linear``, an [`Int8Linear`] or a torch.ao dynamic quantized linear."""
     if isinstance(module, Int8Linear):
@@ -339,7 +355,9 @@ def quantize_int8(model: nn.Module, include_lm_head: bool = True, exact_attentio
                 quantized.per_token = per_token
                 setattr(parent, name, quantized)
     fuse_projections(model)
-    # the kernels available here key cost profiles (the per-shape choice is timed at first use)
+    if per_token:
+        choose_kernels(model)
+    # the kernels available here key cost profiles (the per-shape choice is timed once per process, see above)
     model._poss_quantized = f"int8/v{KERNEL_VERSION}/" + "+".join(available_kernels()) + ("" if per_token else "/dynamic")
     model.save_pretrained = types.MethodType(_refuse_save, model)
     if exact_attention is None:
