@@ -113,14 +113,10 @@ def test_smollm2_int8_greedy_identical_on_mt_bench():
         assert out.tolist() == expected.tolist(), text
 
 
-@pytest.mark.parametrize("quantize", ["none", "int8"])
-def test_smollm2_auto_budget_hands_over_to_plain_decoding(quantize, monkeypatch):
-    """The shipped draft with the automatic budget, falling back after 2 rounds: the rest runs in transformers' own
-    `_sample` (fp32 sdpa, and int8 with exact attention), token-identical to plain greedy generate."""
-    from transformers.generation.utils import GenerationMixin
-
+def _auto_budget_models(quantize: str, depth: int):
+    """A fresh SmolLM2 target (int8 in place when asked), its tokenizer and the shipped draft with an automatic budget
+    of ``depth`` levels, top-k 4, at most 16 nodes."""
     from transformers_poss import quantize_int8
-    from transformers_poss.generation.budget import TreeBudget
 
     target, tokenizer = _load("smollm2-135m-instruct")  # a fresh copy: quantized in place
     draft = _draft(target, TRAINED_DRAFT)
@@ -128,7 +124,19 @@ def test_smollm2_auto_budget_hands_over_to_plain_decoding(quantize, monkeypatch)
         quantize_int8(target)
         draft = quantize_int8(draft)
     gen = draft.generation_config
-    gen.tree_depth, gen.tree_top_k, gen.tree_total_tokens, gen.tree_max_total_tokens = 2, 4, "auto", 16
+    gen.tree_depth, gen.tree_top_k, gen.tree_total_tokens, gen.tree_max_total_tokens = depth, 4, "auto", 16
+    return target, tokenizer, draft
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_smollm2_auto_budget_hands_over_to_plain_decoding(quantize, monkeypatch):
+    """The shipped draft with the automatic budget, falling back after 2 rounds: the rest runs in transformers' own
+    `_sample` (fp32 sdpa, and int8 with exact attention), token-identical to plain greedy generate."""
+    from transformers.generation.utils import GenerationMixin
+
+    from transformers_poss.generation.budget import TreeBudget
+
+    target, tokenizer, draft = _auto_budget_models(quantize, depth=2)
     continued = []
     original = GenerationMixin._sample
 
@@ -155,17 +163,11 @@ def test_smollm2_auto_budget_hands_over_to_plain_decoding(quantize, monkeypatch)
 def test_smollm2_auto_budget_pauses_and_speculates_again(quantize, monkeypatch):
     """The budget pausing speculation after 2 rounds: 16 plain rounds in the tree loop, then drafted rounds again,
     token-identical to plain greedy generate (fp32 sdpa, and int8 with exact attention)."""
-    from transformers_poss import quantize_int8
     from transformers_poss.generation import budget as budget_module
     from transformers_poss.generation.budget import CostProfile, TreeBudget
 
-    target, tokenizer = _load("smollm2-135m-instruct")  # a fresh copy: quantized in place
-    draft = _draft(target, TRAINED_DRAFT)
-    if quantize == "int8":
-        quantize_int8(target)
-        draft = quantize_int8(draft)
+    target, tokenizer, draft = _auto_budget_models(quantize, depth=3)
     gen = draft.generation_config
-    gen.tree_depth, gen.tree_top_k, gen.tree_total_tokens, gen.tree_max_total_tokens = 3, 4, "auto", 16
     gen.tree_context_candidates = False  # every round drafts (the budget cannot choose to draft nothing)
     flat = CostProfile(key="flat", verify_seconds={1: 1.0, 64: 1.0}, draft_context_seconds=0.01, draft_step_seconds=0.01)
     monkeypatch.setattr(budget_module, "load_or_measure_profile", lambda *a, **k: flat)  # trees pay: nodes are kept
