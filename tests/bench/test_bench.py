@@ -426,7 +426,8 @@ def test_plain_decoding_after_a_fallback_is_reported(model, prompts, monkeypatch
     draft = tiny_draft(model)
     methods = [baseline_method(model), draft_method("auto", model, draft, "tiny", 2, 2, "auto"),
                draft_method("fixed", model, draft, "tiny", 2, 2, 4)]
-    report = run_report(model, prompts[:2], methods, tokens=12)
+    # 8 warm-up rounds, two probes and a fresh probe before the decision: long enough answers to see the hand-over
+    report = run_report(model, prompts[:2], methods, tokens=20)
     entry = report["methods"]["auto"]
     assert entry["identical_to_baseline"] == 2  # lossless across the hand-over
     plain = entry["plain_decoding"]

@@ -140,6 +140,7 @@ class PosSCandidateGenerator(CandidateGenerator):
             self.budget = TreeBudget(profile, depth=self.depth, max_nodes=self.total_tokens, warmup_rounds=8,
                                      calibrate=self.context is None, allow_no_draft=self.context is not None)
         self._probe = False  # this round is a plain probe (root only, nothing drafted)
+        self._drafted = None  # depth drafted this round (None before the budget shaped a tree)
         self._pending = None  # context pairs not yet given to the draft (accepted during plain probes)
 
     def _shape_tree(self, tree: DraftTree) -> DraftTree:
@@ -147,7 +148,7 @@ class PosSCandidateGenerator(CandidateGenerator):
         (one level deeper than the depth kept, see `budget.TreeBudget.choose`)."""
         if self.budget is None:
             return tree
-        drafted = getattr(self.proposer, "depth", self.depth)
+        drafted = self._drafted = getattr(self.proposer, "depth", self.depth)
         depths = tree.depths if tree.sources is None else drafting_depths(tree.as_batch())[0]  # copies: no drafting
         keep, _ = self.budget.choose(tree.scores, depths, drafted_depth=drafted)
         self.proposer.depth = self.budget.next_depth
@@ -176,7 +177,7 @@ class PosSCandidateGenerator(CandidateGenerator):
         """Feed a verified round back: calibrates the automatic budget; records rounds when asked."""
         if self._probe:
             return
-        if self.budget is not None and tree.num_nodes == 1:  # nothing to verify: a plain step (see observe_seconds)
+        if self.budget is not None and tree.num_nodes == 1 and self._drafted == 0:  # a plain step (observe_seconds)
             self._probe = True
             return
         if self.budget is not None and not self.fell_back:
@@ -213,9 +214,10 @@ class PosSCandidateGenerator(CandidateGenerator):
 
     def observe_seconds(self, seconds: float, verify_seconds: float | None = None, nodes: int | None = None) -> None:
         """The measured wall time of the round just finished (drafting to cache update) and of its verification of
-        ``nodes`` nodes, for the budget. A round with nothing to verify (a plain probe, or a root-only tree: the
-        budget chose to draft nothing and the context offered nothing) is timed as the plain step it is, so rounds
-        that do not speculate never count as speculation that did not pay."""
+        ``nodes`` nodes, for the budget. A round with nothing drafted and nothing to verify (a plain probe, or a
+        root-only tree when the budget chose to draft nothing and the context offered nothing) is timed as the plain
+        step it is, so rounds that do not speculate never count as speculation that did not pay; a round that drafted
+        and then kept only the root paid for drafting, and counts as speculation."""
         if self.budget is None or self.fell_back:
             return
         if self._probe:
