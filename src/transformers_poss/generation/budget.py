@@ -15,6 +15,7 @@ CPU the cost grows with the number of nodes. This module
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -64,8 +65,7 @@ class TreeBudget:
         self.measured_seconds = 0.0  # wall time of the observed rounds (drafting to cache update), when given
         self.measured_tokens = 0
         self.timed_rounds: list[tuple[int, float, int]] = []  # (round index, seconds, tokens) of speculative rounds
-        self.plain_rounds: list[tuple[int, float]] = []  # (round index, seconds) of the plain probes
-        self.plain_seconds: list[float] = []  # wall time of root-only rounds: a plain decoding step measured now
+        self.plain_rounds: list[tuple[int, float]] = []  # (round index, seconds) of plain rounds: a decoding step now
         self.plain_verify_ratios: list[float] = []  # measured / profiled t(1) of those rounds' target forwards
         self.verify_ratios: list[float] = []  # measured / profiled t(n) of the speculative rounds' verifications
         self.plain_probes, self.plain_probe_every = tuple(plain_probes), plain_probe_every
@@ -191,7 +191,6 @@ class TreeBudget:
 
     def observe_plain(self, seconds: float, verify_seconds: float | None = None) -> None:
         """Record a plain probe round (one token in ``seconds``, its target forward in ``verify_seconds``)."""
-        self.plain_seconds.append(seconds)
         self.plain_rounds.append((self.round_index, seconds))
         if verify_seconds is not None:
             self.plain_verify_ratios.append(verify_seconds / self.profile.verify(1))
@@ -213,11 +212,9 @@ class TreeBudget:
             if len(near) >= 2:
                 paired.append(sum(t for _, t in near) / sum(s for s, _ in near) * plain)
         if not paired:  # no probe has rounds beside it yet: the call's totals
-            plain = sorted(self.plain_seconds)[len(self.plain_seconds) // 2]
+            plain = sorted(seconds for _, seconds in self.plain_rounds)[len(self.plain_rounds) // 2]
             return (self.measured_tokens / self.measured_seconds) * plain
-        paired.sort()
-        middle = len(paired) // 2
-        return paired[middle] if len(paired) % 2 else (paired[middle - 1] + paired[middle]) / 2
+        return statistics.median(paired)
 
     def _losing(self) -> bool:
         if self.rounds < max(self.warmup_rounds, self.resume_rounds):

@@ -139,7 +139,7 @@ class PosSCandidateGenerator(CandidateGenerator):
             # with context candidates the node scores are already calibrated per source (`hybrid.SourceEstimates`)
             self.budget = TreeBudget(profile, depth=self.depth, max_nodes=self.total_tokens, warmup_rounds=8,
                                      calibrate=self.context is None, allow_no_draft=self.context is not None)
-        self._probe = False  # this round is a plain probe (root only, nothing drafted)
+        self._plain_round = False  # this round is a plain step: a probe, a pause, or nothing drafted nor verified
         self._drafted = None  # depth drafted this round (None before the budget shaped a tree)
         self._pending = None  # context pairs not yet given to the draft (accepted during plain probes)
 
@@ -175,10 +175,10 @@ class PosSCandidateGenerator(CandidateGenerator):
 
     def observe(self, tree: DraftTree, accepted) -> None:
         """Feed a verified round back: calibrates the automatic budget; records rounds when asked."""
-        if self._probe:
+        if self._plain_round:
             return
         if self.budget is not None and tree.num_nodes == 1 and self._drafted == 0:  # a plain step (observe_seconds)
-            self._probe = True
+            self._plain_round = True
             return
         if self.budget is not None and not self.fell_back:
             self.budget.observe(accepted.num_accepted)
@@ -220,7 +220,7 @@ class PosSCandidateGenerator(CandidateGenerator):
         and then kept only the root paid for drafting, and counts as speculation."""
         if self.budget is None or self.fell_back:
             return
-        if self._probe:
+        if self._plain_round:
             self.budget.observe_plain(seconds, verify_seconds)
         else:
             self.budget.observe_seconds(seconds, verify_seconds, nodes)
@@ -247,8 +247,8 @@ class PosSCandidateGenerator(CandidateGenerator):
             new_tokens = torch.cat([self._pending[0], new_tokens], dim=1)
             new_features = torch.cat([self._pending[1], new_features], dim=1)
             self._pending = None
-        self._probe = self.budget is not None and (self.budget.paused() or self.budget.plain_probe_due())
-        if self._probe:  # one plain decoding step, timed: what a step costs here now (budget.measured_speedup)
+        self._plain_round = self.budget is not None and (self.budget.paused() or self.budget.plain_probe_due())
+        if self._plain_round:  # one plain decoding step, timed: what a step costs here now (budget.measured_speedup)
             self._pending = (new_tokens, new_features)
             return DraftTree.root_only(input_ids[0, -1]), None
         tree = self.proposer.propose(new_tokens, new_features)

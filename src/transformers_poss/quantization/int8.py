@@ -6,9 +6,9 @@ are quantized on the fly with one scale PER TOKEN (row) to integers in [-127, 12
 integer matrix multiply. A token's output therefore depends only on that token, not on the other tokens of the
 forward: verifying a tree of n tokens gives each token the same linear outputs as decoding it alone.
 
-The integer product runs on the fastest exact kernel for each matrix shape and number of rows, timed on this
-machine when a model is quantized (once per process and shape) (``torch._int_mm``, fbgemm's 8-bit or 7-bit GEMM: see `int8_kernels`); every kernel gives the
-same int32 product, so the choice never changes a bit. Sibling projections that read the same input (q/k/v,
+The integer product runs on the fastest exact kernel for each matrix shape and number of rows (``torch._int_mm``,
+fbgemm's 8-bit or 7-bit GEMM: see `int8_kernels`), timed on this machine once per process and shape when a model is
+quantized; every kernel gives the same int32 product, so the choice never changes a bit. Sibling projections that read the same input (q/k/v,
 gate/up) share one quantization and one product ([`FusedProjections`]), with outputs bit-identical to computing them
 one by one. The per-channel and per-token scales are applied in the same order on every kernel.
 
