@@ -18,9 +18,10 @@ import torch
 from .errors import positive_int
 
 DEFAULT_DRAFT = "poss-smollm2-135m-instruct"
-# three everyday requests with answers of a paragraph or more (speculation pays per round, so a one-line answer
-# cannot show it): an explanation, code, and a summary of a given text (where copied candidates help most). Free
-# stories are where this draft helps least: `--prompt "Write a short story about a robot who learns to paint."`
+# four everyday requests with answers of a paragraph or more (speculation pays per round, so a one-line answer
+# cannot show it): an explanation, code, and two tasks on a given text (a summary, notes made into a list), where
+# copied candidates help most. Free stories are where this draft helps least:
+# `--prompt "Write a short story about a robot who learns to paint."`
 DEMO_PROMPTS = (
     "Explain what a hash table is to a beginner programmer.",
     "Write a Python function that checks whether a string is a palindrome, and explain how it works.",
@@ -29,6 +30,8 @@ DEMO_PROMPTS = (
     "in the Coral Sea, off the coast of Queensland, Australia. The reef can be seen from outer space and is the "
     "world's biggest single structure made by living organisms. It supports a wide diversity of life and was "
     "selected as a World Heritage Site in 1981.",
+    "Turn these notes into a bulleted list: buy milk and eggs, call the dentist to move the appointment to Friday, "
+    "send the quarterly report to Anna, book train tickets to Berlin for the conference, water the plants",
 )
 MIN_POSITION_ROUNDS = 10  # a position-wise rate from fewer rounds is shown as a count only
 
@@ -46,8 +49,8 @@ def shipped_draft_path(name: str = DEFAULT_DRAFT) -> Path | None:
 def add_arguments(parser) -> None:
     parser.add_argument("--draft", default=None, help=f"draft folder (default: {DEFAULT_DRAFT}, shipped with the package)")
     parser.add_argument("--target", default="smollm2-135m-instruct", help="embedded name, Hub id or folder")
-    parser.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable); default: three built-in")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=96)
+    parser.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable); default: four built-in")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--threads", type=positive_int, default=None)
     parser.add_argument("--repeats", type=positive_int, default=2,
                         help="timed runs of plain and speculative int8 decoding per prompt, interleaved; the fastest "
@@ -158,9 +161,11 @@ def run(args) -> int:
         identical += same
         new = spec.sequences.shape[1] - ids.shape[1]
         speedup = t_plain / t_spec
-        rows.append(dict(base=(base.shape[1] - ids.shape[1]) / t_base, plain=new / t_plain, spec=new / t_spec,
-                         quant=t_base / t_plain if int8 else None, speedup=speedup, total=t_base / t_spec,
-                         stats=spec.acceptance))
+        # rates, not times: the fp32 answer can be shorter or longer than the int8 one
+        rate_base = (base.shape[1] - ids.shape[1]) / t_base
+        rows.append(dict(base=rate_base, plain=new / t_plain, spec=new / t_spec,
+                         quant=new / t_plain / rate_base if int8 else None, speedup=speedup,
+                         total=new / t_spec / rate_base, stats=spec.acceptance))
         name = "int8" if int8 else "fp32"
         steps = (f"plain fp32 {rows[-1]['base']:.1f} tok/s | plain int8 {new / t_plain:.1f} tok/s "
                  f"({rows[-1]['quant']:.2f}x) | " if int8 else f"plain {name} {new / t_plain:.1f} tok/s | ")
