@@ -6,6 +6,7 @@ target's kernels take microseconds. Prints milliseconds per round for each phase
 step of the same target for comparison:
 
     python examples/host_overhead.py --rounds 200 --depth 6 --top-k 4 --total-tokens 16
+    python examples/host_overhead.py --context-candidates 8   # trees with continuations copied from the context
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--top-k", "--top_k", type=int, default=4)
     parser.add_argument("--total-tokens", "--total_tokens", type=int, default=16)
+    parser.add_argument("--context-candidates", type=int, default=0,
+                        help="tokens per continuation copied from the context (tree_context_candidates; 0: off)")
     parser.add_argument("--repeats", type=int, default=5, help="measurements; the median is printed")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -44,6 +47,7 @@ def main() -> None:
     draft.attach_target(target)
     gen = draft.generation_config
     gen.tree_depth, gen.tree_top_k, gen.tree_total_tokens = args.depth, args.top_k, args.total_tokens
+    gen.tree_context_candidates = args.context_candidates
     ids = torch.randint(3, target.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
     plain_kwargs = dict(max_new_tokens=args.rounds, min_new_tokens=args.rounds, do_sample=False)
 
@@ -62,7 +66,8 @@ def main() -> None:
         for phase, seconds in stats.timings.items():
             per_phase.setdefault(phase, []).append(seconds / rounds)
     print(f"tiny target and draft, depth {args.depth}, top-k {args.top_k}, {args.total_tokens} nodes, "
-          f"{statistics.median(rounds_seen):.0f} rounds, {args.threads} thread(s), medians of {args.repeats}:")
+          f"{statistics.median(rounds_seen):.0f} rounds, context candidates {args.context_candidates}, {args.threads} "
+          f"thread(s), medians of {args.repeats}:")
     total = 0.0
     for phase, values in per_phase.items():
         value = statistics.median(values) * 1000
