@@ -22,6 +22,8 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from ..generation.growing_cache import growing_cache
+
 __all__ = [
     "user_prefix",
     "end_of_turn_ids",
@@ -151,7 +153,8 @@ def _generate(target, tokenizer, texts, stop_ids, max_new_tokens, temperature, t
     finally:
         tokenizer.padding_side = side
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
-    out = target.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
+    # a cache that grows in place: appending with torch.cat copied the whole cache at every step (`growing_cache`)
+    out = target.generate(**batch, cache=growing_cache(target), max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
                           pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0],
                           **sampling)
     new = out[:, batch["input_ids"].shape[1] :].tolist()
