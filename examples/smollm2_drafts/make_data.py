@@ -34,6 +34,7 @@ from transformers_poss.training.distill import (REQUEST_CATEGORIES, int8_copy, r
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data" / "smollm2-135m-instruct"
+PACK_MINUTES = 10  # how often the answers are compressed for committing (and always at the end)
 
 
 def _unpack(name: str) -> Path:
@@ -49,6 +50,12 @@ def _unpack(name: str) -> Path:
 def _pack(plain: Path) -> None:
     with open(plain, "rb") as src, gzip.open(f"{plain}.gz", "wb", compresslevel=9) as dst:
         shutil.copyfileobj(src, dst)
+
+
+def assistant_tokens(tokenizer, records: list[dict]) -> int:
+    """Assistant tokens in ``records`` (conversation lines of the answers file)."""
+    return sum(len(tokenizer(m["content"])["input_ids"]) for r in records for m in r["messages"]
+               if m["role"] == "assistant")
 
 
 def evaluation_prompts() -> list[str]:
@@ -102,19 +109,23 @@ def main(argv=None) -> int:
     assert not any(p.strip().lower() in excluded for p in prompts), "an evaluation prompt leaked into the training prompts"
 
     answers_file = _unpack("conversations.jsonl")
+    records = read_jsonl(answers_file)
+    total, packed = assistant_tokens(tokenizer, records), time.time()
     while time.time() < deadline:
-        done = len(read_jsonl(answers_file))
+        done = len(records)
         if done >= len(prompts):
             break
         # ids are indices into the prompt list, so a growing prefix resumes exactly where the file stops
         stats = regenerate(target, tokenizer, prompts[: done + args.chunk], answers_file, batch_size=args.batch_size,
                            max_new_tokens=args.max_new_tokens, progress=False)
-        _pack(answers_file)
         records = read_jsonl(answers_file)
-        total = sum(len(tokenizer(m["content"])["input_ids"]) for r in records for m in r["messages"]
-                    if m["role"] == "assistant")
+        total += assistant_tokens(tokenizer, records[done:])
+        if time.time() - packed > 60 * PACK_MINUTES:  # the plain file is the checkpoint; the .gz is what is committed
+            _pack(answers_file)
+            packed = time.time()
         print(f"[data] {len(records)} conversations, {total} assistant tokens, "
               f"{stats['tokens_per_s']:.1f} tok/s this chunk", flush=True)
+    _pack(answers_file)
     if args.followups and time.time() < deadline:
         followups(target, tokenizer, args, exclude, deadline)
     return 0
