@@ -4,7 +4,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from transformers_poss.generation.growing_cache import MIN_CAPACITY, GrowingLayer, growing_cache
+from transformers_poss.speculation.target_cache import MIN_CAPACITY, GrowingLayer, growing_cache
 
 
 def tiny_llama(**overrides):
@@ -54,3 +54,18 @@ def test_only_full_attention_layers_are_replaced():
     layers = growing_cache(model).layers
     assert type(layers[0]) is not GrowingLayer and not isinstance(layers[0], GrowingLayer)
     assert isinstance(layers[1], GrowingLayer) and isinstance(layers[1], DynamicLayer)
+
+
+def test_the_tree_loop_runs_on_a_growing_cache_and_stays_lossless():
+    from transformers_poss import PosSDraftConfig, PosSDraftModel
+
+    target = tiny_llama()
+    draft = PosSDraftModel(PosSDraftConfig.for_target(target.config, num_specialists=2, positions_per_specialist=2))
+    draft.attach_target(target)
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(max_new_tokens=MIN_CAPACITY + 10, min_new_tokens=MIN_CAPACITY + 10, do_sample=False, pad_token_id=0)
+    plain = target.generate(ids, **kwargs)
+    out = target.generate(ids, assistant_model=draft, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, plain)
+    assert all(isinstance(layer, GrowingLayer) for layer in out.cache.layers)
+    assert out.cache.get_seq_length() == plain.shape[1] - 1

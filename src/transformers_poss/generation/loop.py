@@ -27,7 +27,8 @@ from transformers.cache_utils import DynamicCache
 from .._transformers_compat import prefill
 from ..speculation.acceptance import accept_tree
 from ..speculation.stats import AcceptanceStats
-from ..speculation.target_cache import compact_cache, finish_cache_after_tree, prepare_cache_for_tree
+from ..speculation.target_cache import (compact_cache, finish_cache_after_tree, prepare_cache_for_tree,
+                                        use_growing_layers)
 from ..speculation.tree import DraftTree
 from .batched import generate_batch
 from .candidate_generator import PosSCandidateGenerator
@@ -91,6 +92,7 @@ def tree_assisted_decoding(
     if new_features.shape[1] != input_ids.shape[1]:
         raise ValueError("Tree speculative decoding needs the features of the whole prompt: unset prefill_chunk_size.")
     prepare_cache_for_tree(cache)
+    use_growing_layers(cache)  # rounds append their nodes without copying the whole cache (`GrowingLayer`)
     logits = outputs.logits[:, -1].to(dtype=torch.float32, device=input_ids.device)
     del outputs
     token, scores = first_token(logits, input_ids, logits_processor, do_sample)

@@ -13,6 +13,14 @@ that it keeps every row until the compaction crops it back to the window.
 
 Static, quantized, offloaded and encoder-decoder caches, and linear-attention or indexed layers, are refused with a
 clear error.
+
+[`GrowingLayer`] / [`growing_cache`]: transformers' `DynamicLayer` appends with ``torch.cat``, copying the layer's
+whole cache at every forward (``2 x layers x kv_heads x head_dim x 4`` bytes per cached position and row: 46 KB for
+SmolLM2-135M, so 18 MB per forward at 400 positions, and 590 MB per step for a batch of 32). A growing layer keeps
+its keys and values in a buffer whose capacity doubles when full and hands out views of the filled part, so a forward
+writes its new columns only; crops and the in-place compaction above keep working on the views. The tree loop's own
+cache and batched self-distillation (`training.distill`) use it. A crop followed by an update writes the cropped
+columns again in place, which a caller still holding the longer views would see.
 """
 
 from __future__ import annotations
@@ -21,7 +29,62 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 
-SUPPORTED_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer)
+SUPPORTED_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer)  # and `GrowingLayer`
+
+
+MIN_CAPACITY = 64  # columns allocated at first use
+
+
+class GrowingLayer(DynamicLayer):
+    """A `DynamicLayer` whose ``keys`` / ``values`` (`[B, kv_heads, L, head_dim]`) are views of buffers of capacity
+    ``>= L``; the capacity doubles when an update does not fit. Same values as `DynamicLayer`, column by column."""
+
+    _storage: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.keys.shape[-2] if self.keys.numel() else 0
+        needed = length + key_states.shape[-2]
+        storage = self._storage if self._owns(self.keys, key_states) else None
+        if storage is None or needed > storage[0].shape[-2]:
+            capacity = max(needed, MIN_CAPACITY, 2 * (storage[0].shape[-2] if storage is not None else 0))
+            storage = tuple(new.new_empty(*new.shape[:-2], capacity, new.shape[-1]) for new in (key_states, value_states))
+            if length:  # keys / values replaced by other code (e.g. a row selection) are copied in once
+                storage[0][..., :length, :] = self.keys
+                storage[1][..., :length, :] = self.values
+            self._storage = storage
+        storage[0][..., length:needed, :] = key_states
+        storage[1][..., length:needed, :] = value_states
+        self.keys, self.values = storage[0][..., :needed, :], storage[1][..., :needed, :]
+        return self.keys, self.values
+
+    def _owns(self, keys: torch.Tensor, new: torch.Tensor) -> bool:
+        """Whether ``keys`` still is the filled part of this layer's buffer, with the rows / heads / dtype of ``new``."""
+        storage = self._storage
+        if storage is None:
+            return False
+        buffer = storage[0]
+        same_layout = buffer.shape[:-2] == new.shape[:-2] and buffer.dtype == new.dtype and buffer.device == new.device
+        return same_layout and (keys.numel() == 0 or keys.data_ptr() == buffer.data_ptr())
+
+    def reset(self) -> None:
+        self._storage = None
+        super().reset()
+
+
+def use_growing_layers(cache: DynamicCache) -> DynamicCache:
+    """Turn ``cache``'s plain full-attention layers into [`GrowingLayer`]s, in place (sliding-window layers and
+    others keep their class); columns already cached move into a buffer at the next update. Returns ``cache``."""
+    for layer in cache.layers:
+        if type(layer) is DynamicLayer:
+            layer.__class__ = GrowingLayer
+    return cache
+
+
+def growing_cache(model) -> DynamicCache:
+    """A `DynamicCache` for ``model`` whose full-attention layers are [`GrowingLayer`]s."""
+    return use_growing_layers(DynamicCache(config=model.config.get_text_config(decoder=True)))
 
 
 class UnsupportedCacheError(ValueError):
@@ -45,11 +108,17 @@ def check_cache_supported(cache: Cache | None) -> None:
             "accepted rows are gathered in place after every round. Use the default dynamic cache."
         )
     for index, layer in enumerate(cache.layers):
-        if type(layer) not in SUPPORTED_LAYER_TYPES:
+        if not isinstance(layer, SUPPORTED_LAYER_TYPES) or _changes_layout(layer):
             raise UnsupportedCacheError(
                 f"Tree speculative decoding supports full-attention and sliding-window cache layers only; layer "
                 f"{index} of the target's cache is a {type(layer).__name__}."
             )
+
+
+def _changes_layout(layer) -> bool:
+    """Subclasses of the supported layers not known to keep their columns as plain views (e.g. a quantized or
+    offloading layer built on them)."""
+    return type(layer) not in SUPPORTED_LAYER_TYPES and not isinstance(layer, GrowingLayer)
 
 
 def prepare_cache_for_tree(cache: DynamicCache) -> None:

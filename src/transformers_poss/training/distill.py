@@ -22,7 +22,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..generation.growing_cache import growing_cache
+from ..speculation.target_cache import growing_cache
 
 __all__ = [
     "user_prefix",
