@@ -29,9 +29,6 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 
-SUPPORTED_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer)  # and `GrowingLayer`
-
-
 MIN_CAPACITY = 64  # columns allocated at first use
 
 
@@ -48,7 +45,7 @@ class GrowingLayer(DynamicLayer):
         needed = length + key_states.shape[-2]
         storage = self._storage if self._owns(self.keys, key_states) else None
         if storage is None or needed > storage[0].shape[-2]:
-            capacity = max(needed, MIN_CAPACITY, 2 * (storage[0].shape[-2] if storage is not None else 0))
+            capacity = max(MIN_CAPACITY, 2 * needed)  # room to grow, also when adopting a prefilled layer
             storage = tuple(new.new_empty(*new.shape[:-2], capacity, new.shape[-1]) for new in (key_states, value_states))
             if length:  # keys / values replaced by other code (e.g. a row selection) are copied in once
                 storage[0][..., :length, :] = self.keys
@@ -87,6 +84,9 @@ def growing_cache(model) -> DynamicCache:
     return use_growing_layers(DynamicCache(config=model.config.get_text_config(decoder=True)))
 
 
+SUPPORTED_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer, GrowingLayer)
+
+
 class UnsupportedCacheError(ValueError):
     """The target's cache cannot hold a tree verification (static, quantized, offloaded, ...)."""
 
@@ -108,17 +108,11 @@ def check_cache_supported(cache: Cache | None) -> None:
             "accepted rows are gathered in place after every round. Use the default dynamic cache."
         )
     for index, layer in enumerate(cache.layers):
-        if not isinstance(layer, SUPPORTED_LAYER_TYPES) or _changes_layout(layer):
+        if type(layer) not in SUPPORTED_LAYER_TYPES:
             raise UnsupportedCacheError(
                 f"Tree speculative decoding supports full-attention and sliding-window cache layers only; layer "
                 f"{index} of the target's cache is a {type(layer).__name__}."
             )
-
-
-def _changes_layout(layer) -> bool:
-    """Subclasses of the supported layers not known to keep their columns as plain views (e.g. a quantized or
-    offloading layer built on them)."""
-    return type(layer) not in SUPPORTED_LAYER_TYPES and not isinstance(layer, GrowingLayer)
 
 
 def prepare_cache_for_tree(cache: DynamicCache) -> None:
