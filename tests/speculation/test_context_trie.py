@@ -2,7 +2,8 @@
 
 import torch
 
-from transformers_poss.generation.hybrid import (ContextCandidates, SourceEstimates, context_candidate_tokens,
+from transformers_poss.generation.hybrid import (DEFAULT_CONTEXT_TOKENS, ContextCandidates, SourceEstimates,
+                                                 context_candidate_tokens,
                                                  drafting_depths, on_path_mask)
 from transformers_poss.speculation.context_match import context_continuations, match_continuations, suffix_queries
 from transformers_poss.speculation.stats import AcceptanceStats
@@ -155,7 +156,7 @@ def test_setting_values():
         tree_context_candidates = None
 
     config = Config()
-    for value, expected in ((None, 0), (False, 0), (0, 0), (True, 8), (5, 5)):
+    for value, expected in ((None, 0), (False, 0), (0, 0), (True, DEFAULT_CONTEXT_TOKENS), (5, 5)):
         config.tree_context_candidates = value
         assert context_candidate_tokens(config) == expected
     for bad in (-1, 2.5, "yes"):
@@ -191,3 +192,47 @@ def test_budget_drafts_nothing_while_copies_win_and_probes_again():
         depths.append(budget.next_depth)
     assert depths == [0, 0, 1, 0, 0, 1]  # nothing drafted, a depth-1 probe every third round
     assert budget.chosen_depth == 0
+
+
+def test_unique_rows_matches_torch_unique():
+    from transformers_poss.speculation.trie import unique_rows
+
+    generator = torch.Generator().manual_seed(0)
+    for width, high in ((1, 3), (5, 4), (19, 50_000)):  # wide rows of large tokens span several packed words
+        rows = torch.randint(-1, high, (300, width), generator=generator)
+        rows[100:200] = rows[:100]  # duplicates
+        expected, expected_inverse = torch.unique(rows, dim=0, return_inverse=True)
+        found, inverse = unique_rows(rows)
+        assert torch.equal(found, expected) and torch.equal(inverse, expected_inverse)
+
+
+def test_copied_rates_by_position_and_single_token_matches():
+    from transformers_poss.speculation.trie import SHORT_MATCH
+
+    # a copied chain root -> 1 -> 2 -> 3: its second token is right half the time, its third whenever it is tried
+    chain = _batch([9, 1, 2, 3], [-1, 0, 1, 2], scores=[0.0, -1.0, -2.0, -3.0])
+    chain.sources = torch.tensor([[0, CONTEXT_SOURCE | CHAIN_START, CONTEXT_SOURCE, CONTEXT_SOURCE]])
+    chain.draft_logprobs = torch.zeros(1, 4)
+    estimates = SourceEstimates()
+    for _ in range(8):
+        estimates.observe(chain, on_path_mask(4, torch.tensor([[0, 1, 2, 3]])))
+        estimates.observe(chain, on_path_mask(4, torch.tensor([[0, 1]])))
+        estimates.observe(chain, on_path_mask(4, torch.tensor([[0]])))
+    rates = estimates.step_rates()
+    assert estimates.first_rate == pytest.approx((0.6 + 16) / 26)
+    assert float(rates[1]) == pytest.approx(estimates.first_rate)
+    assert float(rates[2]) == pytest.approx((8 + 2 * estimates.next_rate) / 18)  # 8 of 16, toward the pooled rate
+    assert rates[3] > rates[2] + 0.3  # each position has its own rate
+    assert float(rates[5]) == pytest.approx(estimates.next_rate)  # a position never tried: the pooled rate
+    log_estimates = estimates.node_log_estimates(chain, chain.sources, chain.draft_logprobs)[0]
+    assert float(log_estimates[3].exp()) == pytest.approx(estimates.first_rate * float(rates[2] * rates[3]), rel=1e-6)
+
+    # the root's continuation after a single matching token is marked and estimated at its own (lower) rate
+    hybrid = ContextCandidates(num_tokens=2)
+    root_only = _batch([5], [-1], scores=[0.0])
+    short = hybrid.merge(root_only, [torch.tensor([5, 6, 7, 8, 5])])  # "5" seen once before: a 1-token match
+    long = hybrid.merge(root_only, [torch.tensor([4, 5, 6, 7, 4, 5])])  # "4 5" seen before: a 2-token match
+    assert short.tokens[0, 1:].tolist() == [6, 7] and long.tokens[0, 1:].tolist() == [6, 7]
+    assert (short.sources[0, 1] & SHORT_MATCH) and not (long.sources[0, 1] & SHORT_MATCH)
+    first = float(hybrid.estimates.node_log_estimates(short, short.sources, short.draft_logprobs)[0, 1].exp())
+    assert first == pytest.approx(hybrid.estimates.short_first_rate) and first < hybrid.estimates.first_rate

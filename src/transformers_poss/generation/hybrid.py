@@ -9,8 +9,8 @@ With ``draft.generation_config.tree_context_candidates`` set, every round:
    reuses that node, so a shared prefix is verified once and siblings never repeat a token;
 3. every node gets an estimated probability of being accepted from the source(s) that proposed it
    ([`SourceEstimates`], learned online from the rounds of the call): the draft's own conditional probability times
-   its calibration, or the copied source's observed rate (one rate for the first token of a continuation, one for
-   the tokens after it, which a node continuing any chain takes); a node proposed by both takes the higher. Estimates multiply down a path, so a child never
+   its calibration, or the copied source's observed rate at the node's position in its continuation (the first
+   token, the second, ...); a node proposed by both takes the higher. Estimates multiply down a path, so a child never
    outranks its parent;
 4. the merged tree is cut to the node budget by that estimate: ``tree_total_tokens`` nodes (so copied tokens take
    nodes only where they rank above drafted ones, within the same total), or with ``"auto"`` the automatic budget
@@ -25,11 +25,12 @@ import torch
 
 from ..speculation.context_match import context_continuations
 from ..speculation.tree import BatchedTree, DraftTree
-from ..speculation.trie import CHAIN_START, CONTEXT_SOURCE, DRAFT_SOURCE, graft_chains, keep_nodes
+from ..speculation.trie import CHAIN_START, CONTEXT_SOURCE, DRAFT_SOURCE, SHORT_MATCH, graft_chains, keep_nodes
 
-DEFAULT_CONTEXT_TOKENS = 8  # tokens per copied continuation with ``tree_context_candidates=True``
+DEFAULT_CONTEXT_TOKENS = 10  # tokens per copied continuation with ``tree_context_candidates=True``
 CONTEXT_MAX_NGRAM = 3  # longest suffix looked up in the context
-CONTEXT_MIN_NGRAM = 2  # shortest suffix accepted as a match
+CONTEXT_MIN_NGRAM = 2  # shortest suffix accepted as a match below a drafted node
+CONTEXT_ROOT_MIN_NGRAM = 1  # ... and at the root (a 1-token match there has its own acceptance rate)
 
 
 def context_candidate_tokens(config) -> int:
@@ -72,21 +73,40 @@ def drafting_depths(tree: BatchedTree) -> torch.LongTensor:
     return need
 
 
+def chain_steps(tree: BatchedTree, sources: torch.LongTensor) -> torch.LongTensor:
+    """`[B, n]`: the 1-based position of each copied node in its continuation (1: a node where one starts, else its
+    parent's position + 1), 0 for nodes no continuation passes through."""
+    copied = (sources & CONTEXT_SOURCE) > 0
+    start = copied & ((sources & CHAIN_START) > 0)
+    steps = torch.where(start, 1, 0)
+    return _per_level(tree.parents, tree.depths, steps,
+                      lambda parent: torch.where(start, 1, torch.where(copied, parent + 1, 0)))
+
+
 class SourceEstimates:
     """Online acceptance estimates of the two sources over the rounds of one call.
 
     - draft: a calibration factor, accepted draft nodes over the sum of the draft's conditional probabilities of the
       draft nodes that were tried (whose parent was accepted);
-    - context: the share of tried copied nodes that were accepted, separately for the first token of a continuation
-      and for the tokens after it.
+    - context: the share of tried copied nodes that were accepted: for the first token of a continuation (one rate
+      where the continuation was found by matching two or more tokens, one where a single token matched), and for
+      each later position of it. Once a copy is right it tends to stay right (a span of the prompt is being
+      repeated), so the rate at position 8 is usually well above the one at position 2; a later position's rate
+      starts from the pooled rate of all later positions and moves to its own as its observations come in.
 
-    Each starts from a small prior (two pseudo-observations).
+    Each starts from a small prior (two pseudo-observations; a later position's own rate from ``step_prior_weight``).
     """
 
-    def __init__(self, prior_weight: float = 2.0, first_rate: float = 0.3, next_rate: float = 0.7):
+    MAX_STEPS = 64  # positions beyond this share the last one's rate
+
+    def __init__(self, prior_weight: float = 2.0, first_rate: float = 0.3, next_rate: float = 0.7,
+                 step_prior_weight: float = 2.0, short_first_rate: float = 0.15):
         self.draft = [prior_weight, prior_weight]  # accepted, predicted
         self.first = [prior_weight * first_rate, prior_weight]  # accepted, tried
-        self.next = [prior_weight * next_rate, prior_weight]
+        self.short_first = [prior_weight * short_first_rate, prior_weight]  # after a single-token match
+        self.next = [prior_weight * next_rate, prior_weight]  # pooled over positions >= 2
+        self.step_prior_weight = step_prior_weight
+        self.step_counts = torch.zeros(2, self.MAX_STEPS + 1, dtype=torch.float64)  # accepted, tried per position
 
     @property
     def draft_calibration(self) -> float:
@@ -97,15 +117,28 @@ class SourceEstimates:
         return self.first[0] / self.first[1]
 
     @property
+    def short_first_rate(self) -> float:
+        return self.short_first[0] / self.short_first[1]
+
+    @property
     def next_rate(self) -> float:
         return self.next[0] / self.next[1]
+
+    def step_rates(self) -> torch.Tensor:
+        """`[MAX_STEPS + 1]` estimated acceptance of a copied token at each position (index 0 unused, 1: first)."""
+        accepted, tried = self.step_counts
+        weight = self.step_prior_weight
+        rates = (accepted + weight * self.next_rate) / (tried + weight)
+        rates[:2] = self.first_rate
+        return rates
 
     def node_log_estimates(self, tree: BatchedTree, sources: torch.LongTensor,
                            draft_logprobs: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """`[B, n]` log of the estimated probability that each node is accepted (root 0; invalid nodes -inf)."""
         calibrated = (draft_logprobs.double() + torch.log(torch.tensor(self.draft_calibration))).clamp(max=0.0)
-        copied = torch.where((sources & CHAIN_START) > 0, torch.tensor(self.first_rate).log(),
-                             torch.tensor(self.next_rate).log()).double()
+        steps = chain_steps(tree, sources).clamp(max=self.MAX_STEPS)
+        copied = self.step_rates().to(steps.device).log()[steps]
+        copied = torch.where((sources & SHORT_MATCH) > 0, torch.tensor(self.short_first_rate).log(), copied)
         minus_inf = torch.full_like(calibrated, float("-inf"))
         own = torch.maximum(torch.where((sources & DRAFT_SOURCE) > 0, calibrated, minus_inf),
                             torch.where((sources & CONTEXT_SOURCE) > 0, copied, minus_inf))
@@ -125,9 +158,16 @@ class SourceEstimates:
         self.draft[1] += float(tree.draft_logprobs.double().exp()[drafted].sum())
         copied = tried & ((tree.sources & CONTEXT_SOURCE) > 0)
         start = (tree.sources & CHAIN_START) > 0
-        for counts, kind in ((self.first, copied & start), (self.next, copied & ~start)):
+        short = (tree.sources & SHORT_MATCH) > 0
+        for counts, kind in ((self.first, copied & start & ~short), (self.short_first, copied & short),
+                             (self.next, copied & ~start)):
             counts[0] += float((kind & on_path).sum())
             counts[1] += float(kind.sum())
+        later = copied & ~start
+        steps = chain_steps(tree, tree.sources).clamp(max=self.MAX_STEPS)[later].cpu()
+        size = self.MAX_STEPS + 1
+        self.step_counts[0] += torch.bincount(steps[on_path[later].cpu()], minlength=size).double()
+        self.step_counts[1] += torch.bincount(steps, minlength=size).double()
 
 
 def conditional_logprobs(tree: BatchedTree) -> torch.Tensor:
@@ -143,28 +183,39 @@ class ContextCandidates:
     Args:
         num_tokens: tokens per copied continuation (``tree_context_candidates``).
         max_ngram, min_ngram: longest / shortest suffix looked up in the context.
+        root_min_ngram: shortest suffix accepted at the root (a single token: one more continuation at the root,
+            where no drafted path competes; not below every drafted node, whose continuations would then cost more
+            to merge than they bring).
     """
 
-    def __init__(self, num_tokens: int, max_ngram: int = CONTEXT_MAX_NGRAM, min_ngram: int = CONTEXT_MIN_NGRAM):
+    def __init__(self, num_tokens: int, max_ngram: int = CONTEXT_MAX_NGRAM, min_ngram: int = CONTEXT_MIN_NGRAM,
+                 root_min_ngram: int = CONTEXT_ROOT_MIN_NGRAM):
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
+        self.root_min_ngram = root_min_ngram
         self.estimates = SourceEstimates()
 
     def merge(self, tree: BatchedTree, contexts: list[torch.LongTensor]) -> BatchedTree:
         """The draft's trees (`[B, n]`) with every row's context continuations grafted in (tree_mask not built)."""
         batch = tree.tokens.shape[0]
         mask = tree.tree_mask
-        chains, valid = [], []
+        chains, valid, matches = [], [], []
         for b in range(batch):
             found = context_continuations(contexts[b], tree.tokens[b], tree.depths[b], mask[b], self.num_tokens,
-                                          self.max_ngram, self.min_ngram)  # fmt: skip
+                                          self.max_ngram, self.min_ngram, self.root_min_ngram)  # fmt: skip
             chains.append(found.tokens)
             valid.append(found.valid & tree.valid[b][:, None])
+            matches.append(found)
         anchors = torch.arange(tree.num_nodes, device=tree.tokens.device)[None].expand(batch, -1)
         merged = graft_chains(tree, anchors, torch.stack(chains), torch.stack(valid))
         base = merged.base_index
         logprobs = conditional_logprobs(tree)
         draft_logprobs = torch.where(base >= 0, logprobs.gather(1, base.clamp(min=0)), 0.0)
-        sources = merged.sources | torch.where(merged.chain_step == 1, CHAIN_START, 0)
+        starts = merged.chain_step == 1
+        matched = torch.stack([found.lengths for found in matches]).to(base.device)  # [B, n] per anchor (base node)
+        width = merged.tree.num_nodes
+        matched = torch.cat([matched, matched.new_zeros(batch, width - matched.shape[1])], dim=1)
+        short = starts & (matched.gather(1, merged.tree.parents.clamp(min=0)) == 1)
+        sources = merged.sources | torch.where(starts, CHAIN_START, 0) | torch.where(short, SHORT_MATCH, 0)
         out = merged.tree
         out.sources, out.draft_logprobs = sources, draft_logprobs
         return out

@@ -69,7 +69,7 @@ def suffix_queries(context: torch.LongTensor, paths: torch.LongTensor, depths: t
 
 
 def match_continuations(context: torch.LongTensor, queries: torch.LongTensor, num_tokens: int,
-                        min_ngram: int = 1) -> ContextMatches:  # fmt: skip
+                        min_ngram: int | torch.LongTensor = 1) -> ContextMatches:  # fmt: skip
     """The continuation after the best earlier occurrence of each query's suffix in ``context``.
 
     A context position ``e`` (``e <= L - 2``, so that at least one token follows) matches query ``q`` over ``s``
@@ -80,7 +80,7 @@ def match_continuations(context: torch.LongTensor, queries: torch.LongTensor, nu
         context (`torch.LongTensor` of shape `[L]`): the tokens so far.
         queries (`torch.LongTensor` of shape `[N, size]`): `suffix_queries`.
         num_tokens: continuation length ``m``.
-        min_ngram: shortest suffix accepted as a match.
+        min_ngram: shortest suffix accepted as a match, for every query or per query (`[N]`).
     """
     count, size = queries.shape
     length = context.shape[0]
@@ -90,7 +90,8 @@ def match_continuations(context: torch.LongTensor, queries: torch.LongTensor, nu
     equal = windows[None, :, :] == queries[:, None, :]  # [N, L, size]
     run = equal.flip(-1).long().cumprod(-1).sum(-1)  # [N, L] trailing agreement = matched suffix length
     run[:, max(length - 1, 0):] = 0  # the last position has no continuation (and is the query itself at the root)
-    run = run.masked_fill(run < min_ngram, 0)
+    shortest = min_ngram[:, None].to(device) if isinstance(min_ngram, torch.Tensor) else min_ngram
+    run = run.masked_fill(run < shortest, 0)
     positions = torch.arange(length, device=device)
     best = (run * (length + 1) + positions[None, :]).argmax(dim=1)  # longest, then latest
     lengths = run.gather(1, best[:, None])[:, 0]
@@ -102,9 +103,10 @@ def match_continuations(context: torch.LongTensor, queries: torch.LongTensor, nu
 
 def context_continuations(context: torch.LongTensor, tokens: torch.LongTensor, depths: torch.LongTensor,
                           tree_mask: torch.BoolTensor, num_tokens: int, max_ngram: int = 3,
-                          min_ngram: int = 1) -> ContextMatches:  # fmt: skip
+                          min_ngram: int = 1, root_min_ngram: int | None = None) -> ContextMatches:  # fmt: skip
     """Continuations from ``context`` (`[L]`, the root last) below every node of one tree (`[n]` tokens / depths,
-    `[n, n]` ancestor-or-self mask): `match_continuations` of the nodes' `suffix_queries`."""
+    `[n, n]` ancestor-or-self mask): `match_continuations` of the nodes' `suffix_queries`. ``root_min_ngram`` (default
+    ``min_ngram``) is the shortest match accepted for the root's own query."""
     if context.shape[0] < 2 or num_tokens < 1:
         n = tokens.shape[0]
         empty = torch.zeros(n, max(num_tokens, 0), dtype=torch.long, device=tokens.device)
@@ -112,4 +114,7 @@ def context_continuations(context: torch.LongTensor, tokens: torch.LongTensor, d
     context = context.to(tokens.device)
     paths = node_paths(tokens, depths, tree_mask)
     queries = suffix_queries(context, paths, depths, max(max_ngram, 1))
+    if root_min_ngram is not None and root_min_ngram != min_ngram:
+        min_ngram = torch.full((tokens.shape[0],), min_ngram, dtype=torch.long, device=tokens.device)
+        min_ngram[0] = root_min_ngram
     return match_continuations(context, queries, num_tokens, min_ngram)

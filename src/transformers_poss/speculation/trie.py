@@ -5,8 +5,8 @@ A node of a draft tree stands for a token path; a continuation found elsewhere (
 chain token that equals a child already there (drafted, or added by an earlier chain) reuses that node, so every path
 appears once and siblings never repeat a token. Each node records which sources proposed it (a bit mask).
 
-Pure tensor code for B rows, vectorised over rows and chains; the only loop runs over chain positions (the chain
-length), never over nodes. Nothing here knows about acceptance.
+Pure tensor code for B rows, vectorised over rows, chains and chain positions: no loop over nodes. Nothing here
+knows about acceptance.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .tree import BatchedTree, batched_ancestor_mask
 DRAFT_SOURCE = 1  # bit of ``sources``: the draft network proposed the node
 CONTEXT_SOURCE = 2  # bit of ``sources``: a continuation copied from the context passes through the node
 CHAIN_START = 4  # bit of ``sources`` (with CONTEXT_SOURCE): the node is the first token of such a continuation
+SHORT_MATCH = 8  # bit of ``sources`` (with CHAIN_START): that continuation was found by a match of a single token
 SOURCE_NAMES = {DRAFT_SOURCE: "draft", CONTEXT_SOURCE: "context"}  # the sources reported in statistics
 
 
@@ -45,6 +46,34 @@ class MergedTree:
     base_index: torch.LongTensor
 
 
+def unique_rows(rows: torch.LongTensor) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """`[K, W]` non-negative-but-for--1 integers -> (the distinct rows in lexicographic order `[U, W]`, the index of
+    each input row among them `[K]`): ``torch.unique(rows, dim=0, return_inverse=True)`` without its row-by-row loop.
+
+    Values are packed several to an int64 (big-endian, so the order of packed columns is the order of the rows), then
+    sorted column by column with stable sorts, last column first.
+    """
+    count, width = rows.shape
+    shifted = rows + 1  # -1 (padding) -> 0
+    bits = max(1, int(shifted.max()).bit_length()) if rows.numel() else 1
+    per_word = max(1, 63 // bits)
+    words = []
+    for start in range(0, width, per_word):  # a handful of words: width / (63 // bits)
+        word = torch.zeros(count, dtype=torch.long, device=rows.device)
+        for column in range(start, min(start + per_word, width)):
+            word = (word << bits) | shifted[:, column]
+        words.append(word)
+    order = torch.arange(count, device=rows.device)
+    for word in reversed(words):
+        order = order[torch.argsort(word[order], stable=True)]
+    ordered = torch.stack(words, dim=1)[order]
+    new_group = torch.ones(count, dtype=torch.bool, device=rows.device)
+    new_group[1:] = (ordered[1:] != ordered[:-1]).any(dim=1)
+    group = torch.cumsum(new_group.long(), 0) - 1
+    inverse = torch.empty_like(group).scatter_(0, order, group)
+    return rows[order[new_group]], inverse
+
+
 def graft_chains(base: BatchedTree, anchors: torch.LongTensor, chain_tokens: torch.LongTensor,
                  chain_valid: torch.BoolTensor, base_source: int = DRAFT_SOURCE,
                  chain_source: int = CONTEXT_SOURCE) -> MergedTree:  # fmt: skip
@@ -58,94 +87,93 @@ def graft_chains(base: BatchedTree, anchors: torch.LongTensor, chain_tokens: tor
         base_source, chain_source: source bits of the base nodes and of the chains' nodes.
 
     Returns:
-        a `MergedTree`: the base nodes first (same indices), then the new nodes in order of chain position. A chain
-        token equal to an existing child of its parent (base or grafted) reuses that node and marks it with
+        a `MergedTree`: the base nodes first (same indices), then the new nodes, shallower ones first. A chain token
+        equal to an existing child of its parent (base or grafted) reuses that node and marks it with
         ``chain_source``; identical chain prefixes become one node.
+
+    A node IS its root-to-node token path: every valid base node and every chain prefix is written as its path
+    (padded), and one ``unique`` over the paths of all rows merges equal ones. No loop over nodes or chain positions.
     """
     batch, n = base.tokens.shape
     chains, m = chain_tokens.shape[1], chain_tokens.shape[2]
     device = base.tokens.device
-    capacity = n + chains * m  # node ids per row never reach this
-    vocab = int(max(int(base.tokens.max()), int(chain_tokens.max()) if chain_tokens.numel() else 0)) + 1
+    base_valid = base.valid.clone()
+    base_valid[:, 0] = True
+    mask = base.tree_mask if base.tree_mask is not None else batched_ancestor_mask(base.parents)
+    width = int(base.depths.max()) + 1 + m  # root, the deepest base node, a whole chain
+    pad = -1
+
+    # paths of the base nodes: [B, n, W], token of the depth-d ancestor at column d
+    base_paths = torch.full((batch, n, width), pad, dtype=torch.long, device=device)
+    rows, nodes, ancestors = mask.nonzero(as_tuple=True)
+    base_paths[rows, nodes, base.depths[rows, ancestors]] = base.tokens[rows, ancestors]
+
+    if chains == 0 or m == 0:  # nothing to graft
+        chain_valid = torch.zeros(batch, 1, 1, dtype=torch.bool, device=device)
+        chain_tokens = torch.zeros(batch, 1, 1, dtype=torch.long, device=device)
+        anchors = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        chains, m = 1, 1
+    # paths of the chain prefixes: [B, C, m, W], prefix j = the anchor's path + chain tokens 0..j
+    alive = chain_valid.long().cumprod(-1).bool() & base_valid.gather(1, anchors)[..., None]  # [B, C, m]
+    anchor_depths = base.depths.gather(1, anchors)  # [B, C]
+    columns = torch.arange(width, device=device)
+    offset = columns[None, None, :] - anchor_depths[..., None] - 1  # [B, C, W] chain position held by a column
+    by_column = chain_tokens.gather(2, offset.clamp(min=0, max=m - 1))  # [B, C, W]
+    anchor_paths = base_paths.gather(1, anchors[..., None].expand(batch, chains, width))  # [B, C, W]
+    position = torch.arange(m, device=device)[None, None, :, None]  # [1, 1, m, 1]
+    chain_paths = torch.where(offset[:, :, None] < 0, anchor_paths[:, :, None],
+                              torch.where(offset[:, :, None] <= position, by_column[:, :, None], pad))
+
+    # one unique over (row, path) of every valid base node and live chain prefix
     row_ids = torch.arange(batch, device=device)
+    base_keys = torch.cat([row_ids[:, None, None].expand(batch, n, 1), base_paths], dim=2)[base_valid]
+    chain_keys = torch.cat([row_ids[:, None, None, None].expand(batch, chains, m, 1), chain_paths], dim=3)[alive]
+    paths, inverse = unique_rows(torch.cat([base_keys, chain_keys]))
+    base_count = base_keys.shape[0]
+    base_of, chain_of = inverse[:base_count], inverse[base_count:]  # path id of each base node / chain prefix
 
-    def key(rows, parents, tokens):  # one int64 per (row, parent, token) edge
-        return (rows * capacity + parents) * vocab + tokens
+    # node ids: a base node keeps its index; new paths follow per row, shallower first (parents before children)
+    total = paths.shape[0]
+    node_id = torch.full((total,), -1, dtype=torch.long, device=device)
+    base_rows, base_nodes = base_valid.nonzero(as_tuple=True)
+    node_id[base_of] = base_nodes
+    path_rows = paths[:, 0]
+    path_depths = (paths[:, 1:] != pad).sum(1) - 1
+    fresh = node_id < 0
+    order = torch.argsort(path_rows * (width + 1) + path_depths, stable=True)  # by row, then depth
+    order = order[fresh[order]]
+    fresh_rows = path_rows[order]
+    per_row = torch.bincount(fresh_rows, minlength=batch)
+    first = torch.cumsum(per_row, 0) - per_row
+    node_id[order] = n + torch.arange(order.shape[0], device=device) - first[fresh_rows]
+    size = n + int(per_row.max()) if order.numel() else n
 
-    node_rows = row_ids[:, None].expand(batch, n)
-    edge = base.valid.clone()
-    edge[:, 0] = False
-    table_keys = key(node_rows, base.parents.clamp(min=0), base.tokens)[edge]
-    table_ids = torch.arange(n, device=device)[None].expand(batch, n)[edge]
-    order = torch.argsort(table_keys)
-    table_keys, table_ids = table_keys[order], table_ids[order]
+    # the chain prefixes' rows, nodes, parents (the previous prefix, or the anchor), tokens and positions
+    chain_rows, chain_index, steps = alive.nonzero(as_tuple=True)
+    chain_nodes = node_id[chain_of]
+    flat = torch.full((batch, chains, m), -1, dtype=torch.long, device=device)
+    flat[chain_rows, chain_index, steps] = chain_nodes
+    previous = flat[chain_rows, chain_index, (steps - 1).clamp(min=0)]
+    chain_parents = torch.where(steps == 0, anchors[chain_rows, chain_index], previous)
 
-    counts = torch.full((batch,), n, dtype=torch.long, device=device)  # next free id per row
-    new_rows, new_ids, new_parents, new_tokens = [], [], [], []
-    chain_marks = []  # (row, id) of every node a chain passes through
-    current = anchors.clone()
-    alive = torch.ones_like(anchors, dtype=torch.bool)
-    chain_rows = row_ids[:, None].expand(batch, chains)
-    for j in range(m):
-        alive = alive & chain_valid[:, :, j]
-        if not bool(alive.any()):
-            break
-        rows, parents, tokens = chain_rows[alive], current[alive], chain_tokens[:, :, j][alive]
-        keys = key(rows, parents, tokens)
-        if table_keys.numel():
-            pos = torch.searchsorted(table_keys, keys).clamp(max=table_keys.numel() - 1)
-            found = table_keys[pos] == keys
-            ids = torch.where(found, table_ids[pos], torch.zeros_like(pos))
-        else:
-            found = torch.zeros_like(keys, dtype=torch.bool)
-            ids = torch.zeros_like(keys)
-        if bool((~found).any()):
-            fresh, inverse = torch.unique(keys[~found], return_inverse=True)  # sorted: grouped by row
-            fresh_rows = fresh // (capacity * vocab)
-            per_row = torch.bincount(fresh_rows, minlength=batch)
-            first = torch.cumsum(per_row, 0) - per_row
-            fresh_ids = counts[fresh_rows] + torch.arange(fresh.numel(), device=device) - first[fresh_rows]
-            counts = counts + per_row
-            ids[~found] = fresh_ids[inverse]
-            new_rows.append(fresh_rows)
-            new_ids.append(fresh_ids)
-            new_parents.append((fresh // vocab) % capacity)
-            new_tokens.append(fresh % vocab)
-            table_keys = torch.cat([table_keys, fresh])
-            table_ids = torch.cat([table_ids, fresh_ids])
-            order = torch.argsort(table_keys)
-            table_keys, table_ids = table_keys[order], table_ids[order]
-        chain_marks.append((rows, ids))
-        current = current.clone()
-        current[alive] = ids
-
-    size = int(counts.max())
     tokens = torch.zeros(batch, size, dtype=torch.long, device=device)
     parents = torch.zeros_like(tokens)
+    depths = torch.ones_like(tokens)
     valid = torch.zeros(batch, size, dtype=torch.bool, device=device)
     sources = torch.zeros_like(tokens)
     base_index = torch.full_like(tokens, -1)
-    tokens[:, :n], parents[:, :n], valid[:, :n] = base.tokens, base.parents, base.valid
+    tokens[:, :n], parents[:, :n], depths[:, :n], valid[:, :n] = base.tokens, base.parents, base.depths, base.valid
     base_index[:, :n] = torch.arange(n, device=device)
     sources[:, :n] = torch.where(base.valid, base_source, 0)
-    if new_rows:
-        rows, ids = torch.cat(new_rows), torch.cat(new_ids)
-        tokens[rows, ids], parents[rows, ids], valid[rows, ids] = torch.cat(new_tokens), torch.cat(new_parents), True
+    tokens[chain_rows, chain_nodes] = chain_tokens[chain_rows, chain_index, steps]
+    parents[chain_rows, chain_nodes] = chain_parents
+    depths[chain_rows, chain_nodes] = anchor_depths[chain_rows, chain_index] + 1 + steps
+    valid[chain_rows, chain_nodes] = True
+    sources[chain_rows, chain_nodes] |= chain_source
     chain_step = torch.zeros_like(tokens)
-    for j, (rows, ids) in enumerate(chain_marks):  # later positions overwrite earlier ones
-        sources[rows, ids] |= chain_source
-        chain_step[rows, ids] = j + 1
-    parents[:, 0] = -1
-    sources[:, 0] = 0
-    depths = torch.zeros_like(tokens)
-    for _ in range(int(base.depths.max()) + len(chain_marks) if size > 1 else 0):  # depth by propagation: <= D + m
-        updated = torch.where(parents >= 0, depths.gather(1, parents.clamp(min=0)) + 1, depths)
-        if torch.equal(updated, depths):
-            break
-        depths = updated
-    depths = torch.where(valid | (torch.arange(size, device=device) == 0), depths, torch.ones_like(depths))
-    parents = torch.where(valid | (torch.arange(size, device=device) == 0), parents, torch.zeros_like(parents))
-    chain_step[:, 0] = 0
+    chain_step = chain_step.view(-1).scatter_reduce(0, chain_rows * size + chain_nodes, steps + 1,
+                                                     reduce="amax").view(batch, size)
+    parents[:, 0], sources[:, 0], chain_step[:, 0], depths[:, 0] = -1, 0, 0, 0
     tree = BatchedTree(tokens, parents, depths, None, valid)
     return MergedTree(tree=tree, sources=sources, chain_step=chain_step, base_index=base_index)
 
