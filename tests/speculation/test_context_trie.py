@@ -236,3 +236,12 @@ def test_copied_rates_by_position_and_single_token_matches():
     assert (short.sources[0, 1] & SHORT_MATCH) and not (long.sources[0, 1] & SHORT_MATCH)
     first = float(hybrid.estimates.node_log_estimates(short, short.sources, short.draft_logprobs)[0, 1].exp())
     assert first == pytest.approx(hybrid.estimates.short_first_rate) and first < hybrid.estimates.first_rate
+
+
+def test_equally_long_matches_prefer_a_whole_continuation():
+    # "1 2" ends at positions 1 (followed by 8 tokens) and 7 (followed by 2 tokens before the query itself)
+    context = torch.tensor([1, 2, 5, 6, 7, 8, 1, 2, 1, 2])
+    found = match_continuations(context, torch.tensor([[1, 2]]), num_tokens=3, min_ngram=2)
+    assert found.tokens.tolist() == [[5, 6, 7]] and found.valid.all()
+    found = match_continuations(context, torch.tensor([[1, 2]]), num_tokens=2, min_ngram=2)
+    assert found.tokens.tolist() == [[1, 2]]  # both are whole: the latest

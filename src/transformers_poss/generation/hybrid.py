@@ -99,7 +99,7 @@ class SourceEstimates:
 
     MAX_STEPS = 64  # positions beyond this share the last one's rate
 
-    def __init__(self, prior_weight: float = 2.0, first_rate: float = 0.3, next_rate: float = 0.7,
+    def __init__(self, prior_weight: float = 2.0, first_rate: float = 0.3, next_rate: float = 0.85,
                  step_prior_weight: float = 2.0, short_first_rate: float = 0.15):
         self.draft = [prior_weight, prior_weight]  # accepted, predicted
         self.first = [prior_weight * first_rate, prior_weight]  # accepted, tried

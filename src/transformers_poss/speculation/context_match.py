@@ -2,9 +2,9 @@
 
 For every node of a draft tree, the sequence that node stands for is the context (prompt + generated tokens, the last
 one being the root) followed by the node's path. Its last ``max_ngram`` tokens are looked up in the context: the
-window whose trailing tokens agree with the longest suffix of that sequence (at least ``min_ngram`` tokens; the most
-recent window among equally long matches) gives a continuation, the ``num_tokens`` context tokens after it. Copying
-spans (extraction, summaries of a given text, code edits, repeated phrases) makes such continuations likely tokens.
+window whose trailing tokens agree with the longest suffix of that sequence (at least ``min_ngram`` tokens; among
+equally long matches the one followed by the most tokens, up to ``num_tokens``, then the most recent) gives a
+continuation, the ``num_tokens`` context tokens after it. Copying spans (extraction, summaries of a given text, code edits, repeated phrases) makes such continuations likely tokens.
 
 Pure tensor code, one row at a time and vectorised over nodes and context positions (``unfold`` + compare): no
 generation imports, nothing here knows about acceptance.
@@ -73,8 +73,8 @@ def match_continuations(context: torch.LongTensor, queries: torch.LongTensor, nu
     """The continuation after the best earlier occurrence of each query's suffix in ``context``.
 
     A context position ``e`` (``e <= L - 2``, so that at least one token follows) matches query ``q`` over ``s``
-    tokens when ``context[e - s + 1 : e + 1] == q[-s:]``. The longest match wins (ties: the latest ``e``); matches
-    shorter than ``min_ngram`` are ignored. One ``[N, L, size]`` comparison, no loop over nodes or positions.
+    tokens when ``context[e - s + 1 : e + 1] == q[-s:]``. The longest match wins (ties: the one with the most tokens
+    after it, up to ``num_tokens``, then the latest ``e``); matches shorter than ``min_ngram`` are ignored. One ``[N, L, size]`` comparison, no loop over nodes or positions.
 
     Args:
         context (`torch.LongTensor` of shape `[L]`): the tokens so far.
@@ -93,7 +93,9 @@ def match_continuations(context: torch.LongTensor, queries: torch.LongTensor, nu
     shortest = min_ngram[:, None].to(device) if isinstance(min_ngram, torch.Tensor) else min_ngram
     run = run.masked_fill(run < shortest, 0)
     positions = torch.arange(length, device=device)
-    best = (run * (length + 1) + positions[None, :]).argmax(dim=1)  # longest, then latest
+    following = (length - 1 - positions).clamp(max=num_tokens)  # continuation tokens after each position
+    # the longest match; among those, the one with the most continuation (up to num_tokens); then the latest
+    best = ((run * (num_tokens + 1) + following[None, :]) * (length + 1) + positions[None, :]).argmax(dim=1)
     lengths = run.gather(1, best[:, None])[:, 0]
     index = best[:, None] + 1 + torch.arange(num_tokens, device=device)[None, :]  # [N, m]
     valid = (index < length) & (lengths[:, None] > 0)
