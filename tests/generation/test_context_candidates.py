@@ -22,7 +22,7 @@ from test_generation import (  # noqa: F401 - sampling_target is a fixture
 )
 from test_batched_generation import PAD, assert_rows_identical, left_pad
 from transformers_poss.generation import PosSCandidateGenerator
-from transformers_poss.speculation.trie import CHAIN_START, CONTEXT_SOURCE, DRAFT_SOURCE
+from transformers_poss.speculation.trie import CONTEXT_SOURCE, DRAFT_SOURCE
 from tree_testing import TargetTopKProposer, one_thread, tiny_llama_target  # noqa: F401 - autouse fixture
 
 
@@ -148,7 +148,7 @@ def test_sampling_keeps_the_target_distribution_with_copied_candidates(monkeypat
     counts, lengths = sample_counts(target, draft, prompt, RUNS, **kwargs)
     assert lengths.count(3) > 0  # depth-2 acceptances happened
     both, copied_only = DRAFT_SOURCE | CONTEXT_SOURCE, CONTEXT_SOURCE
-    kinds = [t.sources & ~CHAIN_START for t in trees]
+    kinds = [t.sources & (DRAFT_SOURCE | CONTEXT_SOURCE) for t in trees]
     assert any(bool((k == both).any()) for k in kinds)  # copies equal to drafted children were merged into one node
     assert any(bool((k == copied_only).any()) for k in kinds)  # and copies the draft did not propose were verified
     for tree in trees[:50]:

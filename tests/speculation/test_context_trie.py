@@ -207,11 +207,13 @@ def test_unique_rows_matches_torch_unique():
 
 
 def test_copied_rates_by_position_and_single_token_matches():
-    from transformers_poss.speculation.trie import SHORT_MATCH
+    from transformers_poss.speculation.trie import POSITION_SHIFT, SHORT_MATCH, chain_position
 
     # a copied chain root -> 1 -> 2 -> 3: its second token is right half the time, its third whenever it is tried
     chain = _batch([9, 1, 2, 3], [-1, 0, 1, 2], scores=[0.0, -1.0, -2.0, -3.0])
-    chain.sources = torch.tensor([[0, CONTEXT_SOURCE | CHAIN_START, CONTEXT_SOURCE, CONTEXT_SOURCE]])
+    position = [step << POSITION_SHIFT for step in range(4)]  # the node's position in the continuation
+    chain.sources = torch.tensor([[0, CONTEXT_SOURCE | CHAIN_START | position[1], CONTEXT_SOURCE | position[2],
+                                   CONTEXT_SOURCE | position[3]]])
     chain.draft_logprobs = torch.zeros(1, 4)
     estimates = SourceEstimates()
     for _ in range(8):
@@ -234,6 +236,7 @@ def test_copied_rates_by_position_and_single_token_matches():
     long = hybrid.merge(root_only, [torch.tensor([4, 5, 6, 7, 4, 5])])  # "4 5" seen before: a 2-token match
     assert short.tokens[0, 1:].tolist() == [6, 7] and long.tokens[0, 1:].tolist() == [6, 7]
     assert (short.sources[0, 1] & SHORT_MATCH) and not (long.sources[0, 1] & SHORT_MATCH)
+    assert chain_position(short.sources)[0].tolist() == [0, 1, 2]
     first = float(hybrid.estimates.node_log_estimates(short, short.sources, short.draft_logprobs)[0, 1].exp())
     assert first == pytest.approx(hybrid.estimates.short_first_rate) and first < hybrid.estimates.first_rate
 

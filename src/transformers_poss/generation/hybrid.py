@@ -25,7 +25,8 @@ import torch
 
 from ..speculation.context_match import context_continuations
 from ..speculation.tree import BatchedTree, DraftTree
-from ..speculation.trie import CHAIN_START, CONTEXT_SOURCE, DRAFT_SOURCE, SHORT_MATCH, graft_chains, keep_nodes
+from ..speculation.trie import (CHAIN_START, CONTEXT_SOURCE, DRAFT_SOURCE, POSITION_SHIFT, SHORT_MATCH, chain_position,
+                                graft_chains, keep_nodes)
 
 DEFAULT_CONTEXT_TOKENS = 10  # tokens per copied continuation with ``tree_context_candidates=True``
 CONTEXT_MAX_NGRAM = 3  # longest suffix looked up in the context
@@ -71,16 +72,6 @@ def drafting_depths(tree: BatchedTree) -> torch.LongTensor:
         inherited = need.gather(1, tree.parents.clamp(min=0))
         need = torch.where(level, torch.where(drafted_only, tree.depths, inherited), need)
     return need
-
-
-def chain_steps(tree: BatchedTree, sources: torch.LongTensor) -> torch.LongTensor:
-    """`[B, n]`: the 1-based position of each copied node in its continuation (1: a node where one starts, else its
-    parent's position + 1), 0 for nodes no continuation passes through."""
-    copied = (sources & CONTEXT_SOURCE) > 0
-    start = copied & ((sources & CHAIN_START) > 0)
-    steps = torch.where(start, 1, 0)
-    return _per_level(tree.parents, tree.depths, steps,
-                      lambda parent: torch.where(start, 1, torch.where(copied, parent + 1, 0)))
 
 
 class SourceEstimates:
@@ -136,7 +127,7 @@ class SourceEstimates:
                            draft_logprobs: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """`[B, n]` log of the estimated probability that each node is accepted (root 0; invalid nodes -inf)."""
         calibrated = (draft_logprobs.double() + torch.log(torch.tensor(self.draft_calibration))).clamp(max=0.0)
-        steps = chain_steps(tree, sources).clamp(max=self.MAX_STEPS)
+        steps = chain_position(sources).clamp(max=self.MAX_STEPS)
         copied = self.step_rates().to(steps.device).log()[steps]
         copied = torch.where((sources & SHORT_MATCH) > 0, torch.tensor(self.short_first_rate).log(), copied)
         minus_inf = torch.full_like(calibrated, float("-inf"))
@@ -164,7 +155,7 @@ class SourceEstimates:
             counts[0] += float((kind & on_path).sum())
             counts[1] += float(kind.sum())
         later = copied & ~start
-        steps = chain_steps(tree, tree.sources).clamp(max=self.MAX_STEPS)[later].cpu()
+        steps = chain_position(tree.sources).clamp(max=self.MAX_STEPS)[later].cpu()
         size = self.MAX_STEPS + 1
         self.step_counts[0] += torch.bincount(steps[on_path[later].cpu()], minlength=size).double()
         self.step_counts[1] += torch.bincount(steps, minlength=size).double()
@@ -215,7 +206,8 @@ class ContextCandidates:
         width = merged.tree.num_nodes
         matched = torch.cat([matched, matched.new_zeros(batch, width - matched.shape[1])], dim=1)
         short = starts & (matched.gather(1, merged.tree.parents.clamp(min=0)) == 1)
-        sources = merged.sources | torch.where(starts, CHAIN_START, 0) | torch.where(short, SHORT_MATCH, 0)
+        sources = (merged.sources | torch.where(starts, CHAIN_START, 0) | torch.where(short, SHORT_MATCH, 0)
+                   | (merged.chain_step << POSITION_SHIFT))
         out = merged.tree
         out.sources, out.draft_logprobs = sources, draft_logprobs
         return out

@@ -25,7 +25,9 @@ class DraftTree:
         scores (`torch.FloatTensor` of shape `[n]`, *optional*): cumulative draft log-probability of each node (0 for
             the root). In a tree with several sources: the log of the estimated probability that the node is accepted.
         sources (`torch.LongTensor` of shape `[n]`, *optional*): bit mask of the sources that proposed each node
-            (`trie.DRAFT_SOURCE`, `trie.CONTEXT_SOURCE`; 0 for the root); None for a tree of the draft alone.
+            (`trie.DRAFT_SOURCE`, `trie.CONTEXT_SOURCE`; 0 for the root), with the copy flags and the position in a
+            copied continuation in its higher bits (`trie.CHAIN_START`, `trie.chain_position`); None for a tree of
+            the draft alone.
         draft_logprobs (`torch.FloatTensor` of shape `[n]`, *optional*): with ``sources``, the draft's log-probability
             of each node given its parent (0 where the draft did not propose the node).
         draft_probs (`torch.FloatTensor` of shape `[P, vocab]`, *optional*): in a sampled tree

@@ -21,6 +21,13 @@ DRAFT_SOURCE = 1  # bit of ``sources``: the draft network proposed the node
 CONTEXT_SOURCE = 2  # bit of ``sources``: a continuation copied from the context passes through the node
 CHAIN_START = 4  # bit of ``sources`` (with CONTEXT_SOURCE): the node is the first token of such a continuation
 SHORT_MATCH = 8  # bit of ``sources`` (with CHAIN_START): that continuation was found by a match of a single token
+POSITION_SHIFT = 4  # ``sources >> POSITION_SHIFT``: the node's 1-based position in a continuation (0: none)
+
+
+def chain_position(sources: torch.LongTensor) -> torch.LongTensor:
+    """The 1-based position of each node in the continuation copied through it (the largest, where several pass
+    through it; 0 where none does), stored in the high bits of ``sources``."""
+    return sources >> POSITION_SHIFT
 SOURCE_NAMES = {DRAFT_SOURCE: "draft", CONTEXT_SOURCE: "context"}  # the sources reported in statistics
 
 
@@ -115,6 +122,13 @@ def graft_chains(base: BatchedTree, anchors: torch.LongTensor, chain_tokens: tor
         chains, m = 1, 1
     # paths of the chain prefixes: [B, C, m, W], prefix j = the anchor's path + chain tokens 0..j
     alive = chain_valid.long().cumprod(-1).bool() & base_valid.gather(1, anchors)[..., None]  # [B, C, m]
+    if not bool(alive.any()):  # nothing to graft: the base trees as they are
+        zeros = torch.zeros_like(base.tokens)
+        tree = BatchedTree(base.tokens, base.parents, base.depths, None, base.valid)
+        sources = torch.where(base.valid, base_source, 0)
+        sources[:, 0] = 0
+        return MergedTree(tree=tree, sources=sources, chain_step=zeros,
+                          base_index=torch.arange(n, device=device)[None].expand(batch, n).clone())
     anchor_depths = base.depths.gather(1, anchors)  # [B, C]
     columns = torch.arange(width, device=device)
     offset = columns[None, None, :] - anchor_depths[..., None] - 1  # [B, C, W] chain position held by a column
