@@ -22,13 +22,13 @@ CONTEXT_SOURCE = 2  # bit of ``sources``: a continuation copied from the context
 CHAIN_START = 4  # bit of ``sources`` (with CONTEXT_SOURCE): the node is the first token of such a continuation
 SHORT_MATCH = 8  # bit of ``sources`` (with CHAIN_START): that continuation was found by a match of a single token
 POSITION_SHIFT = 4  # ``sources >> POSITION_SHIFT``: the node's 1-based position in a continuation (0: none)
+SOURCE_NAMES = {DRAFT_SOURCE: "draft", CONTEXT_SOURCE: "context"}  # the sources reported in statistics
 
 
 def chain_position(sources: torch.LongTensor) -> torch.LongTensor:
     """The 1-based position of each node in the continuation copied through it (the largest, where several pass
     through it; 0 where none does), stored in the high bits of ``sources``."""
     return sources >> POSITION_SHIFT
-SOURCE_NAMES = {DRAFT_SOURCE: "draft", CONTEXT_SOURCE: "context"}  # the sources reported in statistics
 
 
 @dataclass
