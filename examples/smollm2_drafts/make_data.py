@@ -32,9 +32,9 @@ import torch
 from transformers_poss.bench.run import bundled_questions
 from transformers_poss.embedded import load_target
 from transformers_poss.training.cli import resolve_device
-from transformers_poss.training.precision import bf16_pays
 from transformers_poss.training.distill import (REQUEST_CATEGORIES, int8_copy, read_jsonl, regenerate,
                                                 synthesize_followups, synthesize_prompts)
+from transformers_poss.training.precision import bf16_pays
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data" / "smollm2-135m-instruct"
@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--precision", choices=("auto", "bfloat16", "int8", "float32"), default="auto",
                         help="weights the target generates with (auto: bfloat16 where this device runs it at least "
-                             "1.5x faster than float32, else an int8 dynamic-quantized copy on a CPU, float32 on a GPU)")
+                             "1.5x faster than float32, else an int8 dynamic-quantized copy on a CPU, float32 on a "
+                             "GPU)")
     parser.add_argument("--no-categories", action="store_true",
                         help="sample new prompts from the bare template instead of by request category")
     parser.add_argument("--followups", type=int, default=0, help="answered conversations that get a follow-up turn")

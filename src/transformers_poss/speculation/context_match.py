@@ -4,7 +4,8 @@ For every node of a draft tree, the sequence that node stands for is the context
 one being the root) followed by the node's path. Its last ``max_ngram`` tokens are looked up in the context: the
 window whose trailing tokens agree with the longest suffix of that sequence (at least ``min_ngram`` tokens; among
 equally long matches the one followed by the most tokens, up to ``num_tokens``, then the most recent) gives a
-continuation, the ``num_tokens`` context tokens after it. Copying spans (extraction, summaries of a given text, code edits, repeated phrases) makes such continuations likely tokens.
+continuation, the ``num_tokens`` context tokens after it. Copying spans (extraction, summaries of a given text, code
+edits, repeated phrases) makes such continuations likely tokens.
 
 Pure tensor code, one row at a time and vectorised over nodes and context positions (``unfold`` + compare): no
 generation imports, nothing here knows about acceptance.
@@ -74,7 +75,8 @@ def match_continuations(context: torch.LongTensor, queries: torch.LongTensor, nu
 
     A context position ``e`` (``e <= L - 2``, so that at least one token follows) matches query ``q`` over ``s``
     tokens when ``context[e - s + 1 : e + 1] == q[-s:]``. The longest match wins (ties: the one with the most tokens
-    after it, up to ``num_tokens``, then the latest ``e``); matches shorter than ``min_ngram`` are ignored. One ``[N, L, size]`` comparison, no loop over nodes or positions.
+    after it, up to ``num_tokens``, then the latest ``e``); matches shorter than ``min_ngram`` are ignored. One
+    ``[N, L, size]`` comparison, no loop over nodes or positions.
 
     Args:
         context (`torch.LongTensor` of shape `[L]`): the tokens so far.

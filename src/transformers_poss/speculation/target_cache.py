@@ -46,7 +46,8 @@ class GrowingLayer(DynamicLayer):
         storage = self._storage if self._owns(self.keys, key_states) else None
         if storage is None or needed > storage[0].shape[-2]:
             capacity = max(MIN_CAPACITY, 2 * needed)  # room to grow, also when adopting a prefilled layer
-            storage = tuple(new.new_empty(*new.shape[:-2], capacity, new.shape[-1]) for new in (key_states, value_states))
+            storage = tuple(new.new_empty(*new.shape[:-2], capacity, new.shape[-1])
+                            for new in (key_states, value_states))
             if length:  # keys / values replaced by other code (e.g. a row selection) are copied in once
                 storage[0][..., :length, :] = self.keys
                 storage[1][..., :length, :] = self.values
@@ -57,7 +58,8 @@ class GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
     def _owns(self, keys: torch.Tensor, new: torch.Tensor) -> bool:
-        """Whether ``keys`` still is the filled part of this layer's buffer, with the rows / heads / dtype of ``new``."""
+        """Whether ``keys`` still is the filled part of this layer's buffer, with the rows / heads / dtype of
+        ``new``."""
         storage = self._storage
         if storage is None:
             return False

@@ -115,11 +115,6 @@ def graft_chains(base: BatchedTree, anchors: torch.LongTensor, chain_tokens: tor
     rows, nodes, ancestors = mask.nonzero(as_tuple=True)
     base_paths[rows, nodes, base.depths[rows, ancestors]] = base.tokens[rows, ancestors]
 
-    if chains == 0 or m == 0:  # nothing to graft
-        chain_valid = torch.zeros(batch, 1, 1, dtype=torch.bool, device=device)
-        chain_tokens = torch.zeros(batch, 1, 1, dtype=torch.long, device=device)
-        anchors = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        chains, m = 1, 1
     # paths of the chain prefixes: [B, C, m, W], prefix j = the anchor's path + chain tokens 0..j
     alive = chain_valid.long().cumprod(-1).bool() & base_valid.gather(1, anchors)[..., None]  # [B, C, m]
     if not bool(alive.any()):  # nothing to graft: the base trees as they are
