@@ -535,7 +535,12 @@ def test_cli_bench_compares_both_tree_sampling_modes_when_sampling(tiny_target_d
     assert status == 0 and list(methods) == ["baseline", "mine", "mine+draft-probs"]
     assert methods["mine"]["info"]["tree_sampling"] == "target_only"
     assert methods["mine+draft-probs"]["info"]["tree_sampling"] == "draft_probabilities"
-    # the automatic budget cuts trees after drawing their children: only the target-only rule is measured there
+    # the automatic budget shapes sampled trees before drawing: both rules are measured there too
     status = cli.main(common[:-9] + ["--tree-total-tokens", "auto", "--tree-sampling", "both", "--temperature", "1",
                                      "--no-prompt-lookup", "--no-plots", "--no-progress", "--output", str(out)])
+    assert status == 0 and list(json.loads(out.read_text())["methods"]) == ["baseline", "mine", "mine+draft-probs"]
+    # context candidates cut the merged tree after drawing: only the target-only rule is measured there
+    status = cli.main(common[:-9] + ["--tree-total-tokens", "5", "--context-candidates", "on", "--tree-sampling",
+                                     "both", "--temperature", "1", "--no-prompt-lookup", "--no-plots", "--no-progress",
+                                     "--output", str(out)])
     assert status == 0 and list(json.loads(out.read_text())["methods"]) == ["baseline", "mine"]

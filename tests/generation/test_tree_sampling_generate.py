@@ -45,6 +45,27 @@ def test_sampled_trees_keep_the_target_distribution(sampling_target, case):
     assert min(sampling_p_values(counts, joint)) > ALPHA
 
 
+def test_the_automatic_budget_shapes_sampled_trees_and_keeps_the_distribution(sampling_target, monkeypatch):
+    """``tree_total_tokens="auto"``: each round's shape comes from the rounds before it, chosen before drawing."""
+    from transformers_poss.generation import budget, sampled_budget
+
+    gentle = budget.CostProfile(key="k", verify_seconds={1: 1.0, 4: 1.05, 16: 1.3, 64: 3.0},
+                                draft_context_seconds=0.02, draft_step_seconds=0.02)  # fmt: skip
+    monkeypatch.setattr(budget, "load_or_measure_profile", lambda *a, **k: gentle)
+    monkeypatch.setattr(budget.TreeBudget, "plain_probe_due", lambda self: False)  # every round a tree round
+    shapes = []
+    choose = sampled_budget.SampledTreeBudget.choose_shape
+    monkeypatch.setattr(sampled_budget.SampledTreeBudget, "choose_shape", lambda self: shapes.append(choose(self))
+                        or shapes[-1])  # fmt: skip
+    draft = sampled_draft(sampling_target, depth=3, top_k=3, total="auto")
+    kwargs, processors = CASES["temperature-top-k-top-p"]
+    torch.manual_seed(0)
+    counts, lengths = sample_counts(sampling_target, draft, PROMPT, 600, **kwargs)
+    assert len(set(shapes)) > 1 and max(lengths) > 2  # the shape moved with what the rounds observed
+    joint = exact_joint(sampling_target, PROMPT, LogitsProcessorList(processors))
+    assert min(sampling_p_values(counts, joint)) > ALPHA
+
+
 def test_a_wrong_residual_fails_the_same_test(sampling_target, monkeypatch):
     monkeypatch.setattr(rejection, "residual_distribution", lambda target, draft: target)
     torch.manual_seed(0)
@@ -111,7 +132,3 @@ def test_clear_errors(sampling_target):
     with pytest.raises(ValueError, match="tree_context_candidates"):
         sampling_target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=True, max_new_tokens=3,
                                  pad_token_id=PAD)  # fmt: skip
-    draft.generation_config.tree_context_candidates = None
-    draft.generation_config.tree_total_tokens = "auto"
-    with pytest.raises(ValueError, match="auto"):
-        sampling_target.generate(PROMPT, assistant_model=draft, do_sample=True, max_new_tokens=3)

@@ -122,10 +122,10 @@ def _labelled(specs: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def _sampling_variants(args, draft, context, total) -> list[tuple[str, str | None]]:
+def _sampling_variants(args, draft, context) -> list[tuple[str, str | None]]:
     """``(name suffix, tree_sampling)`` of each variant ``--tree-sampling`` asks for. ``both`` leaves
-    draft_probabilities out where the tree is cut after its children are drawn (context candidates, the automatic
-    budget), which that mode refuses."""
+    draft_probabilities out where the tree is cut after its children are drawn (context candidates), which that mode
+    refuses."""
     from ..speculation.sampled_drafter import sampled_trees_conflict
 
     if args.tree_sampling == "draft":
@@ -134,8 +134,7 @@ def _sampling_variants(args, draft, context, total) -> list[tuple[str, str | Non
         return [("", args.tree_sampling)]
     config = draft.generation_config
     copied = context if context is not None else getattr(config, "tree_context_candidates", None)
-    total = total if total is not None else config.tree_total_tokens
-    refused = sampled_trees_conflict(bool(copied), str(total) == "auto")
+    refused = sampled_trees_conflict(bool(copied))
     return [("", "target_only")] + ([] if refused else [("+draft-probs", "draft_probabilities")])
 
 
@@ -155,7 +154,7 @@ def build_methods(args, target) -> list:
                     "both": [(label, False), (f"{label}+context", True)]}[args.context_candidates]
         if not args.sweep:
             for name, context in variants:
-                for suffix, sampling in _sampling_variants(args, draft, context, args.tree_total_tokens):
+                for suffix, sampling in _sampling_variants(args, draft, context):
                     methods.append(draft_method(name + suffix, target, draft, source, args.tree_depth,
                                                 args.tree_top_k, args.tree_total_tokens, context=context,
                                                 sampling=sampling))
@@ -163,7 +162,7 @@ def build_methods(args, target) -> list:
         for depth in args.sweep_depths:
             for total in args.sweep_total_tokens:
                 for name, context in variants:  # every shape with and / or without context candidates
-                    for suffix, sampling in _sampling_variants(args, draft, context, total):
+                    for suffix, sampling in _sampling_variants(args, draft, context):
                         method = draft_method(f"{name}{suffix}[d={depth},n={total}]", target, draft, source, depth,
                                               args.tree_top_k, total, context=context, sampling=sampling)
                         method.info.update({"sweep": True, "draft": name + suffix})

@@ -73,16 +73,15 @@ def place_draft(draft, target) -> torch.device:
     return device
 
 
-def sampled_tree_warping(draft, generation_config, total_tokens, context: bool = False,
-                         auto: bool = False) -> DraftWarping | None:
+def sampled_tree_warping(draft, generation_config, total_tokens, context: bool = False) -> DraftWarping | None:
     """The draft's warping when this call samples its trees (``do_sample`` and ``tree_sampling=
     "draft_probabilities"`` on the draft's generation config), else None. A bad ``tree_sampling`` value raises, and so
-    do the combinations that choose a node's children after drawing them (context candidates, the automatic budget):
-    the recursive rule would not be exact there."""
+    does a combination that chooses a node's children after drawing them (context candidates): the recursive rule
+    would not be exact there."""
     mode = tree_sampling_mode(getattr(draft, "generation_config", None))
     if mode != "draft_probabilities" or generation_config is None or not generation_config.do_sample:
         return None
-    conflict = sampled_trees_conflict(context, auto)
+    conflict = sampled_trees_conflict(context)
     if conflict:
         raise ValueError(f'tree_sampling="draft_probabilities" cannot be combined with {conflict}: the tree is then '
                          "cut after its children are drawn, and the recursive rejection rule would no longer keep "
@@ -114,9 +113,8 @@ class PosSCandidateGenerator(CandidateGenerator):
         self.device = place_draft(draft, target)
         tokens = context_candidate_tokens(getattr(draft, "generation_config", None))
         self.context = ContextCandidates(tokens) if tokens > 0 else None
+        self.warping = sampled_tree_warping(draft, generation_config, self.total_tokens, self.context is not None)
         self._setup_budget()
-        self.warping = sampled_tree_warping(draft, generation_config, self.total_tokens, self.context is not None,
-                                            self.budget is not None)  # fmt: skip
         self.proposer = self._make_proposer()
 
     def _make_proposer(self):
@@ -136,9 +134,14 @@ class PosSCandidateGenerator(CandidateGenerator):
 
             self.total_tokens = tree_setting(config, "tree_max_total_tokens", AUTO_MAX_NODES)
             profile = load_or_measure_profile(self.target, self.draft, top_k=self.top_k)
-            # with context candidates the node scores are already calibrated per source (`hybrid.SourceEstimates`)
-            self.budget = TreeBudget(profile, depth=self.depth, max_nodes=self.total_tokens, warmup_rounds=8,
-                                     calibrate=self.context is None, allow_no_draft=self.context is not None)
+            if self.warping is not None:  # sampled trees: the shape is chosen before drawing
+                from .sampled_budget import SampledTreeBudget
+
+                self.budget = SampledTreeBudget(profile, depth=self.depth, max_nodes=self.total_tokens,
+                                                top_k=self.top_k, warmup_rounds=8)  # fmt: skip
+            else:  # with context candidates the node scores are already calibrated per source (`SourceEstimates`)
+                self.budget = TreeBudget(profile, depth=self.depth, max_nodes=self.total_tokens, warmup_rounds=8,
+                                         calibrate=self.context is None, allow_no_draft=self.context is not None)
         self._plain_round = False  # this round is a plain step: a probe, a pause, or nothing drafted nor verified
         self._drafted = None  # depth drafted this round (None before the budget shaped a tree)
         self._pending = None  # context pairs not yet given to the draft (accepted during plain probes)
@@ -146,7 +149,7 @@ class PosSCandidateGenerator(CandidateGenerator):
     def _shape_tree(self, tree: DraftTree) -> DraftTree:
         """With an automatic budget, keep the nodes worth verifying on this machine and set the next drafting depth
         (one level deeper than the depth kept, see `budget.TreeBudget.choose`)."""
-        if self.budget is None:
+        if self.budget is None or self.warping is not None:  # no budget, or a sampled tree shaped before drawing
             return tree
         drafted = self._drafted = getattr(self.proposer, "depth", self.depth)
         depths = tree.depths if tree.sources is None else drafting_depths(tree.as_batch())[0]  # copies: no drafting
@@ -182,6 +185,8 @@ class PosSCandidateGenerator(CandidateGenerator):
             return
         if self.budget is not None and not self.fell_back:
             self.budget.observe(accepted.num_accepted)
+            if self.warping is not None:
+                self.budget.observe_tree(tree, accepted.path)
         if self.context is not None and tree.sources is not None:
             on_path = torch.zeros(1, tree.num_nodes, dtype=torch.bool, device=tree.tokens.device)
             on_path[0, accepted.path.to(on_path.device)] = True
@@ -251,6 +256,9 @@ class PosSCandidateGenerator(CandidateGenerator):
         if self._plain_round:  # one plain decoding step, timed: what a step costs here now (budget.measured_speedup)
             self._pending = (new_tokens, new_features)
             return DraftTree.root_only(input_ids[0, -1]), None
+        if self.budget is not None and self.warping is not None:  # sampled: the shape is fixed before drawing
+            self._drafted, self.proposer.total_tokens = self.budget.choose_shape()
+            self.proposer.depth = self._drafted
         tree = self.proposer.propose(new_tokens, new_features)
         if self.context is not None:
             tree = self.context.extend_single(tree, input_ids[0], self.total_tokens)

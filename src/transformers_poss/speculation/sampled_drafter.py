@@ -42,14 +42,11 @@ def tree_sampling_mode(config) -> str:
     return value
 
 
-def sampled_trees_conflict(context: bool, auto: bool) -> str | None:
-    """The setting that rules ``"draft_probabilities"`` out for a call (the tree is then cut after its children are
-    drawn: context candidates merged by estimated acceptance, the single-row automatic budget keeping nodes by
-    score), or None."""
-    for name, on in (("tree_context_candidates", context), ('tree_total_tokens="auto"', auto)):
-        if on:
-            return name
-    return None
+def sampled_trees_conflict(context: bool) -> str | None:
+    """The setting that rules ``"draft_probabilities"`` out for a call, or None: context candidates (the merged tree
+    is cut by estimated acceptance after its children are drawn). The automatic budget is compatible: it chooses a
+    sampled tree's shape before drawing (`generation.sampled_budget`)."""
+    return "tree_context_candidates" if context else None
 
 
 class DraftWarping:
