@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .rejection import recursive_rejection_sample
+from .rejection import recursive_rejection_sample, sample_rows
 from .tree import BatchedTree, DraftTree
 
 
@@ -96,7 +96,7 @@ def rejection_sample_children(
     residual[child_tokens] = 0.0
     if not bool((residual.sum() > 0).item()):
         residual = probs
-    token = int(torch.multinomial(residual, num_samples=1, generator=generator).item())
+    token = int(sample_rows(residual[None], generator)[0])
     return -1, token
 
 
