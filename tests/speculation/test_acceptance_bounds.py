@@ -18,6 +18,8 @@ def distributions(seed: int):
     gen = torch.Generator().manual_seed(seed)
     p = torch.distributions.Dirichlet(torch.full((V,), 0.6)).sample() if seed % 2 else torch.rand(V, generator=gen) ** 3
     q = torch.rand(V, generator=gen) ** 2
+    if seed >= 2:  # a token the draft cannot propose (outside a reduced draft vocabulary)
+        q[seed % V] = 0.0
     return (p / p.sum()).double(), (q / q.sum()).double()
 
 

@@ -22,6 +22,14 @@ import torch
 from .rejection import gumbel_top_k, residual_distribution
 
 
+def _on_support(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``p`` and ``q`` (float64, normalised) on the tokens ``q`` can draw, plus one token holding ``p``'s mass outside
+    them: exact for every quantity here (``q`` is 0 on all of them, so residuals and sets treat them alike)."""
+    p, q = p.double() / p.sum(), q.double() / q.sum()
+    inside = q > 0
+    return torch.cat([p[inside], p[~inside].sum().view(1)]), torch.cat([q[inside], q.new_zeros(1)])
+
+
 def draws_without_replacement(q: torch.Tensor, k: int, samples: int, generator: torch.Generator | None = None):
     """`[samples, k]` draws without replacement from ``q`` (`[V]`), in draw order (Gumbel-top-k)."""
     logq = q.double().clamp(min=1e-300).log().masked_fill(q <= 0, float("-inf"))
@@ -38,7 +46,7 @@ def recursive_acceptance(p: torch.Tensor, q: torch.Tensor, k: int, samples: int 
     """Expected acceptance of the recursive rule (`rejection.recursive_rejection_sample`) over ``k`` children drawn
     without replacement from ``q``: exact given the draws (each child's acceptance probability, not a coin flip),
     averaged over ``samples`` draws."""
-    p, q = p.double() / p.sum(), q.double() / q.sum()
+    p, q = _on_support(p, q)
     draws = draws_without_replacement(q, k, samples, generator)
     target, draft = p.expand(samples, -1).clone(), q.expand(samples, -1).clone()
     reach, accepted = torch.ones(samples, dtype=torch.float64), torch.zeros(samples, dtype=torch.float64)
@@ -56,7 +64,7 @@ def recursive_acceptance(p: torch.Tensor, q: torch.Tensor, k: int, samples: int 
 def optimal_acceptance(p: torch.Tensor, q: torch.Tensor, k: int, samples: int = 1000,
                        generator: torch.Generator | None = None) -> float:  # fmt: skip
     """``alpha*(k)``: the most any exact rule can accept with ``k`` children drawn without replacement from ``q``."""
-    p, q = p.double() / p.sum(), q.double() / q.sum()
+    p, q = _on_support(p, q)
     order = torch.argsort(q / p.clamp(min=1e-300), descending=True)
     rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
     p_prefix = torch.cat([p.new_zeros(1), p[order].cumsum(0)])  # p(H_j), j = 0 .. V
