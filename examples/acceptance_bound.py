@@ -1,8 +1,8 @@
 """How far the acceptance rules are from the optimum, on the nodes a real sampled tree visits.
 
 Runs the int8 SmolLM2 target with a shipped draft, ``tree_sampling="draft_probabilities"`` and a fixed tree, records
-the target's ``p`` and the draft's ``q`` at every node the verification walk reaches, then reports for ``k = 1, 2, 3, 4, 6, 8``
-children per node the mean acceptance of
+the target's ``p`` and the draft's ``q`` at every expanded node the verification walk reaches, then reports for
+``k = 1, 2, 3, 4, 6, 8`` children per node the mean acceptance of
 
 - the target-only rule (children: the draft's deterministic top-k, EAGLE's rule),
 - the recursive rule (children drawn without replacement from ``q``, `rejection.recursive_rejection_sample`),
