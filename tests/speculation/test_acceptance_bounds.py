@@ -81,3 +81,13 @@ def test_sample_rows_draws_multinomially_and_never_a_zero_weight():
         counts = torch.bincount(draws[:, row], minlength=6).double()
         assert counts[weights[row] == 0].sum() == 0
         assert chi_square_p_value(counts, weights[row].double() / weights[row].sum()) > 1e-3
+
+
+def test_the_example_that_measures_the_bounds_imports_and_parses():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "acceptance_bound.py"
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "--temperature" in done.stdout
