@@ -124,7 +124,7 @@ def batched_tree_decoding(model, input_ids, logits_processor, stopping_criteria,
     cache = full_layer_cache()
     context_tokens = context_candidate_tokens(getattr(draft, "generation_config", None))
     row_total = batch_total_tokens(total_tokens, top_k, input_ids.shape[0])
-    warping = sampled_tree_warping(draft, generation_config, row_total, context_tokens > 0)  # sampled trees or None
+    warping = sampled_tree_warping(draft, generation_config, context_tokens > 0)  # sampled trees or None
     if warping is not None:
         proposer = SampledTreeProposer(draft, depth, top_k, row_total, warping)
     else:

@@ -73,7 +73,7 @@ def place_draft(draft, target) -> torch.device:
     return device
 
 
-def sampled_tree_warping(draft, generation_config, total_tokens, context: bool = False) -> DraftWarping | None:
+def sampled_tree_warping(draft, generation_config, context: bool = False) -> DraftWarping | None:
     """The draft's warping when this call samples its trees (``do_sample`` and ``tree_sampling=
     "draft_probabilities"`` on the draft's generation config), else None. A bad ``tree_sampling`` value raises, and so
     does a combination that chooses a node's children after drawing them (context candidates): the recursive rule
@@ -113,7 +113,7 @@ class PosSCandidateGenerator(CandidateGenerator):
         self.device = place_draft(draft, target)
         tokens = context_candidate_tokens(getattr(draft, "generation_config", None))
         self.context = ContextCandidates(tokens) if tokens > 0 else None
-        self.warping = sampled_tree_warping(draft, generation_config, self.total_tokens, self.context is not None)
+        self.warping = sampled_tree_warping(draft, generation_config, self.context is not None)
         self._setup_budget()
         self.proposer = self._make_proposer()
 
