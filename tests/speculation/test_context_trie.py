@@ -194,6 +194,26 @@ def test_budget_drafts_nothing_while_copies_win_and_probes_again():
     assert budget.chosen_depth == 0
 
 
+def test_budget_drafts_again_after_a_round_worth_nothing():
+    """A round where neither source offers a node worth verifying keeps the root alone at depth 0; that is no win of
+    the copies, so the next round drafts (depth 1), as it would without context candidates."""
+    from transformers_poss.generation.budget import CostProfile, TreeBudget
+
+    profile = CostProfile(key="k", verify_seconds={1: 1.0, 64: 2.0}, draft_context_seconds=0.5,
+                          draft_step_seconds=0.5)
+    budget = TreeBudget(profile, depth=3, max_nodes=8, calibrate=False, allow_no_draft=True, probe_every=3)
+    weak = torch.tensor([0.0, -4.0, -5.0])  # two unlikely drafted nodes, no copies
+    keep, _ = budget.choose(weak, torch.tensor([0, 1, 2]), drafted_depth=2)
+    assert keep.tolist() == [0] and budget.chosen_depth == 0
+    assert budget.next_depth == 1
+    nothing = torch.tensor([0.0])  # an undrafted round whose context offered nothing either
+    budget.choose(nothing, torch.tensor([0]), drafted_depth=0)
+    assert budget.next_depth == 1
+    copies = torch.tensor([0.0, -0.05, -0.1])  # copied nodes that win at depth 0: the next round drafts nothing
+    keep, _ = budget.choose(copies, torch.tensor([0, 0, 0]), drafted_depth=1)
+    assert keep.tolist() == [0, 1, 2] and budget.next_depth == 0
+
+
 def test_unique_rows_matches_torch_unique():
     from transformers_poss.speculation.trie import unique_rows
 

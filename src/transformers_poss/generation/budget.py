@@ -42,7 +42,8 @@ class TreeBudget:
         calibrate: correct the node probabilities by the observed acceptance (off when the scores are already
             calibrated estimates, as with context candidates: `hybrid.SourceEstimates`).
         allow_no_draft: depth 0 is a choice too (nodes of depth 0 then cost no drafting time: copied from the
-            context). When it wins, the next rounds draft nothing, probing depth 1 every ``probe_every`` rounds.
+            context). When it wins with copied nodes, the next rounds draft nothing, probing depth 1 every
+            ``probe_every`` rounds; a round that keeps the root alone drafts again at depth 1 next round.
     """
 
     def __init__(self, profile: CostProfile, depth: int, max_nodes: int, warmup_rounds: int = 2,
@@ -124,8 +125,9 @@ class TreeBudget:
         keep = torch.sort(order[:prefix][kept]).values
         self.chosen_depth = int(node_depths[:prefix][kept].max()) if keep.numel() else 0
         self.next_depth = max(1, min(self.depth, self.chosen_depth + 1))
-        if self.allow_no_draft:  # depth 0 won: draft nothing next round, except a depth-1 probe now and then
-            self._undrafted = self._undrafted + 1 if int(candidates[row]) == 0 else 0
+        if self.allow_no_draft:  # copies won: draft nothing next round, except a depth-1 probe now and then
+            # (depth 0 with the root alone is no such win: nothing was worth verifying, and the next round drafts)
+            self._undrafted = self._undrafted + 1 if int(candidates[row]) == 0 and keep.numel() else 0
             if self._undrafted and self._undrafted % self.probe_every:
                 self.next_depth = 0
         self._last = float(raw[row, prefix]), self._draft_seconds(drafted) + float(self._verify[keep.shape[0]])
