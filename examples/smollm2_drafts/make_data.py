@@ -3,7 +3,9 @@
 1. The target writes user prompts itself (sampled from its chat template's user prefix, steered in turn toward
    the kinds of requests users send: writing, role-play, reasoning, math, coding, extraction, STEM, humanities,
    short and long answers; deduplicated, degenerate ones dropped, evaluation prompts excluded).
-2. The target answers them (greedy, batched), so drafts learn the target's own outputs.
+2. The target answers them (batched), so drafts learn the target's own outputs: greedily, or for a share of the
+   chunks (``--sampled-share``) by sampling at ``--temperature`` / ``--top-p``, so that the drafts also see the
+   contexts that sampling users produce (such records carry ``"sampling"``).
 3. Optionally (``--followups N``) the target writes a follow-up user turn for N answered conversations and answers
    it too: multi-turn data in ``followups.jsonl.gz``.
 
@@ -73,6 +75,12 @@ def evaluation_prompts() -> list[str]:
     return prompts
 
 
+def sampled_chunk(index: int, share: float) -> bool:
+    """Whether answer chunk ``index`` is sampled: spread evenly, ``share`` of the chunks (a resumed run continues
+    the same pattern, since the index comes from the answers already written)."""
+    return int((index + 1) * share) > int(index * share)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=6000, help="distinct prompts to synthesise in total")
@@ -90,7 +98,15 @@ def main(argv=None) -> int:
     parser.add_argument("--no-categories", action="store_true",
                         help="sample new prompts from the bare template instead of by request category")
     parser.add_argument("--followups", type=int, default=0, help="answered conversations that get a follow-up turn")
+    parser.add_argument("--sampled-share", type=float, default=0.0,
+                        help="share of answer chunks sampled instead of greedy (0: all greedy; 0.5: every other one)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="temperature of sampled answers")
+    parser.add_argument("--top-p", type=float, default=0.95, help="top-p of sampled answers")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.sampled_share <= 1.0:
+        parser.error(f"--sampled-share must be between 0 and 1, got {args.sampled_share}")
+    if args.sampled_share and not args.temperature > 0:
+        parser.error(f"--temperature must be above 0 for sampled answers, got {args.temperature}")
     if args.threads:
         torch.set_num_threads(args.threads)
     deadline = time.time() + 60 * args.minutes
@@ -128,15 +144,17 @@ def main(argv=None) -> int:
         if done >= len(prompts):
             break
         # ids are indices into the prompt list, so a growing prefix resumes exactly where the file stops
+        sampled = sampled_chunk(done // args.chunk, args.sampled_share)
         stats = regenerate(target, tokenizer, prompts[: done + args.chunk], answers_file, batch_size=args.batch_size,
-                           max_new_tokens=args.max_new_tokens, progress=False)
+                           max_new_tokens=args.max_new_tokens, temperature=args.temperature if sampled else 0.0,
+                           top_p=args.top_p, seed=done, progress=False)
         records = read_jsonl(answers_file)
         total += assistant_tokens(tokenizer, records[done:])
         if time.time() - packed > 60 * PACK_MINUTES:  # the plain file is the checkpoint; the .gz is what is committed
             _pack(answers_file)
             packed = time.time()
         print(f"[data] {len(records)} conversations, {total} assistant tokens, "
-              f"{stats['tokens_per_s']:.1f} tok/s this chunk", flush=True)
+              f"{stats['tokens_per_s']:.1f} tok/s this chunk ({'sampled' if sampled else 'greedy'})", flush=True)
     _pack(answers_file)
     if args.followups and time.time() < deadline:
         followups(target, tokenizer, args, exclude, deadline)

@@ -222,6 +222,16 @@ def test_self_distillation_resumes(tmp_path, tiny_chat_target):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert sorted(r["id"] for r in rows) == [0, 1, 2]
     assert [m["role"] for m in rows[0]["messages"]] == ["user", "assistant"]
+    assert not any("sampling" in r for r in rows)  # greedy answers carry no sampling settings
+
+
+def test_sampled_answers_record_their_settings(tmp_path, tiny_chat_target):
+    _, model, tokenizer = tiny_chat_target
+    path = tmp_path / "conv.jsonl"
+    regenerate(model, tokenizer, ["Say hello.", "Name a colour."], path, batch_size=2, max_new_tokens=5,
+               temperature=0.8, top_p=0.95, progress=False)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["sampling"] for r in rows] == [{"temperature": 0.8, "top_p": 0.95}] * 2
 
 
 def test_synthesized_prompts_are_filtered(tmp_path, tiny_chat_target, monkeypatch):
@@ -339,3 +349,29 @@ def test_followup_turns(tmp_path, tiny_chat_target, monkeypatch):
     rows = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()]
     assert [m["role"] for m in rows[0]["messages"]] == ["user", "assistant", "user", "assistant"]
     assert stats["conversations"] == 1
+
+
+def _make_data_module():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "smollm2_drafts" / "make_data.py"
+    spec = importlib.util.spec_from_file_location("make_data", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("share, expected", [(0.0, 0), (0.5, 6), (0.25, 3), (1.0, 12)])
+def test_make_data_samples_an_even_share_of_chunks(share, expected):
+    make_data = _make_data_module()
+    pattern = [make_data.sampled_chunk(i, share) for i in range(12)]
+    assert sum(pattern) == expected
+    if share == 0.5:
+        assert pattern == [False, True] * 6  # every other chunk, whichever chunk a resumed run starts from
+
+
+def test_make_data_refuses_a_bad_share(capsys):
+    make_data = _make_data_module()
+    with pytest.raises(SystemExit):
+        make_data.main(["--sampled-share", "1.5"])
+    assert "--sampled-share must be between 0 and 1, got 1.5" in capsys.readouterr().err

@@ -250,8 +250,8 @@ def regenerate(target, tokenizer, conversations, output_path, batch_size: int = 
                progress: bool = True) -> dict:
     """Regenerate the assistant turns of ``conversations`` (lists of messages, or bare prompt strings).
 
-    Each finished conversation is appended to ``output_path`` as ``{"id": index, "messages": [...]}``; ids already
-    in the file are skipped (resume). Returns ``{"conversations", "generated_tokens", "seconds", "tokens_per_s"}``.
+    Each finished conversation is appended to ``output_path`` as ``{"id": index, "messages": [...]}`` (with
+    ``"sampling": {"temperature", "top_p"}`` when ``temperature > 0``); ids already in the file are skipped (resume). Returns ``{"conversations", "generated_tokens", "seconds", "tokens_per_s"}``.
     """
     conversations = [[{"role": "user", "content": c}] if isinstance(c, str) else c for c in conversations]
     done = {r["id"] for r in read_jsonl(output_path)}
@@ -280,7 +280,8 @@ def regenerate(target, tokenizer, conversations, output_path, batch_size: int = 
             for i, row in zip(active, rows):
                 generated += len(row) + 1
                 histories[i].append({"role": "assistant", "content": tokenizer.decode(row, skip_special_tokens=True).strip()})
-        _append_jsonl(output_path, [{"id": i, "messages": histories[i]} for i in chunk])
+        sampled = {"sampling": {"temperature": temperature, "top_p": top_p}} if temperature > 0 else {}
+        _append_jsonl(output_path, [{"id": i, "messages": histories[i], **sampled} for i in chunk])
         bar.update(len(chunk))
         seconds = time.perf_counter() - start
         bar.set_postfix(tok_s=f"{generated / max(seconds, 1e-9):.1f}")
