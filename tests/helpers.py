@@ -26,7 +26,9 @@ def tiny_draft(target, num_specialists=2, positions_per_specialist=1, seed=1, **
     config = PosSDraftConfig.for_target(
         target.config, num_specialists=num_specialists, positions_per_specialist=positions_per_specialist, **kwargs
     )
-    return PosSDraftModel(config).eval().attach_target(target)
+    draft = PosSDraftModel(config).eval().attach_target(target)
+    draft.generation_config.tree_context_candidates = False  # the draft's own trees; tests of copies turn them on
+    return draft
 
 
 def motif_sequences(count=24, seed=0, vocab=128):

@@ -78,6 +78,7 @@ def test_forward_and_tree_match_official(fixtures_dir, tmp_path, name):
     assert draft.config.num_specialists == meta["num_specialists"]
     assert draft.config.training_depth == meta["training_depth"]
     assert draft.embed_tokens is None, "an embedding equal to the target's must be dropped"
+    assert draft.generation_config.tree_context_candidates is False  # the paper's trees: no copied candidates
 
     ids, features = tensors["input_ids"], tensors["features"]
     with torch.no_grad():

@@ -385,6 +385,8 @@ class PosSDraftModel(PosSPreTrainedModel):
             model.draft_to_target.copy_(checkpoint.token_map)
         for key, value in checkpoint.generation.items():  # the tree shape an exported checkpoint recorded
             setattr(model.generation_config, key, value)
+        if getattr(model.generation_config, "tree_context_candidates", None) is None:
+            model.generation_config.tree_context_candidates = False  # the paper's trees: the draft's nodes only
         model = model.to(dtype or (target.dtype if target is not None else torch.float32)).eval()
         if target is not None:
             model.to(target.get_output_embeddings().weight.device).attach_target(target)

@@ -84,11 +84,22 @@ def test_greedy_identical_and_copies_accepted(monkeypatch, target, total):
     assert any(bool(((tree.sources & CONTEXT_SOURCE) > 0).any()) for tree in trees)
 
 
-def test_off_by_default_and_for_the_paper_setting(monkeypatch, target):
+def test_on_by_default_and_off_for_the_paper_setting(monkeypatch, target):
     draft = make_draft(target)
     trees = record_trees(monkeypatch)
-    out = target.generate(copying_prompts(target, 1)[0], assistant_model=draft, max_new_tokens=8, do_sample=False,
-                          pad_token_id=PAD, return_dict_in_generate=True)  # fmt: skip
+    prompt = copying_prompts(target, 1)[0]
+    plain = target.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    draft.generation_config.tree_context_candidates = None  # unset: on
+    out = target.generate(prompt, assistant_model=draft, max_new_tokens=8, do_sample=False, pad_token_id=PAD,
+                          return_dict_in_generate=True)  # fmt: skip
+    assert out.sequences.tolist() == plain.tolist()
+    assert all(tree.sources is not None for tree in trees)
+    assert any(bool(((tree.sources & CONTEXT_SOURCE) > 0).any()) for tree in trees)  # copies were verified
+    trees.clear()
+    draft.generation_config.tree_context_candidates = False  # the paper's trees
+    out = target.generate(prompt, assistant_model=draft, max_new_tokens=8, do_sample=False, pad_token_id=PAD,
+                          return_dict_in_generate=True)  # fmt: skip
+    assert out.sequences.tolist() == plain.tolist()
     assert all(tree.sources is None for tree in trees) and out.acceptance.source_tokens == {}
 
 

@@ -44,6 +44,7 @@ def make_draft(target, depth=4, top_k=4, total=16, seed=1):
     draft.generation_config.tree_depth = depth
     draft.generation_config.tree_top_k = top_k
     draft.generation_config.tree_total_tokens = total
+    draft.generation_config.tree_context_candidates = False  # the draft's own trees; tests of copies turn them on
     return draft
 
 

@@ -125,6 +125,8 @@ def test_clear_errors(sampling_target):
     with pytest.raises(ValueError, match="tree_sampling"):
         sampling_target.generate(PROMPT, assistant_model=draft, do_sample=True, max_new_tokens=3)
     draft.generation_config.tree_sampling = MODE
+    draft.generation_config.tree_context_candidates = None  # unset: context candidates give way to sampled trees
+    sampling_target.generate(PROMPT, assistant_model=draft, do_sample=True, max_new_tokens=3)
     draft.generation_config.tree_context_candidates = True
     with pytest.raises(ValueError, match="tree_context_candidates"):
         sampling_target.generate(PROMPT, assistant_model=draft, do_sample=True, max_new_tokens=3)

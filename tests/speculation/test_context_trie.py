@@ -156,9 +156,12 @@ def test_setting_values():
         tree_context_candidates = None
 
     config = Config()
-    for value, expected in ((None, 0), (False, 0), (0, 0), (True, DEFAULT_CONTEXT_TOKENS), (5, 5)):
+    for value, expected in ((None, DEFAULT_CONTEXT_TOKENS), (False, 0), (0, 0), (True, DEFAULT_CONTEXT_TOKENS), (5, 5)):
         config.tree_context_candidates = value
         assert context_candidate_tokens(config) == expected
+        # trees sampled from the draft cannot take copies: unset yields there, an explicit value is kept (and refused
+        # by the generation loop)
+        assert context_candidate_tokens(config, sampled_trees=True) == (0 if value is None else expected)
     for bad in (-1, 2.5, "yes"):
         config.tree_context_candidates = bad
         with pytest.raises(ValueError, match="tree_context_candidates"):

@@ -32,8 +32,8 @@ from ..speculation.masks import BatchLayout, relayout_index
 from ..speculation.stats import AcceptanceStats
 from ..speculation.target_cache import full_layer_cache, gather_cache_columns, keep_accepted, select_cache_rows
 from ..speculation.sampled_drafter import SampledTreeProposer
-from .candidate_generator import lm_head_device, place_draft, sampled_tree_warping, tree_shape
-from .hybrid import ContextCandidates, context_candidate_tokens, on_path_mask
+from .candidate_generator import context_tokens, lm_head_device, place_draft, sampled_tree_warping, tree_shape
+from .hybrid import ContextCandidates, on_path_mask
 from .outputs import PosSGenerateOutput
 from .target_forward import prefill_batch, verify_batch
 
@@ -122,14 +122,14 @@ def batched_tree_decoding(model, input_ids, logits_processor, stopping_criteria,
     if do_sample or (logits_processor is not None and len(logits_processor) > 0):
         per_row = row_processors(logits_processor, input_ids.shape[0])
     cache = full_layer_cache()
-    context_tokens = context_candidate_tokens(getattr(draft, "generation_config", None))
+    copied_tokens = context_tokens(draft, generation_config)
     row_total = batch_total_tokens(total_tokens, top_k, input_ids.shape[0])
-    warping = sampled_tree_warping(draft, generation_config, context_tokens > 0)  # sampled trees or None
+    warping = sampled_tree_warping(draft, generation_config, copied_tokens > 0)  # sampled trees or None
     if warping is not None:
         proposer = SampledTreeProposer(draft, depth, top_k, row_total, warping)
     else:
         proposer = make_batched_proposer(draft, depth, top_k, row_total)
-    context = ContextCandidates(context_tokens) if context_tokens > 0 else None  # continuations copied from the rows
+    context = ContextCandidates(copied_tokens) if copied_tokens > 0 else None  # continuations copied from the rows
     pads = (attention_mask == 0).sum(dim=1).tolist()  # left padding of each row, left out of its context
 
     feature_layers = draft.config.feature_layers  # features [B, T, k*H]: the target hidden states the draft reads

@@ -73,13 +73,24 @@ def place_draft(draft, target) -> torch.device:
     return device
 
 
-def sampled_tree_warping(draft, generation_config, context: bool = False) -> DraftWarping | None:
-    """The draft's warping when this call samples its trees (``do_sample`` and ``tree_sampling=
-    "draft_probabilities"`` on the draft's generation config), else None. A bad ``tree_sampling`` value raises, and so
-    does a combination that chooses a node's children after drawing them (context candidates): the recursive rule
-    would not be exact there."""
+def draws_sampled_trees(draft, generation_config) -> bool:
+    """Whether this call samples its trees: ``do_sample`` and ``tree_sampling="draft_probabilities"`` on the draft's
+    generation config (a bad ``tree_sampling`` value raises)."""
     mode = tree_sampling_mode(getattr(draft, "generation_config", None))
-    if mode != "draft_probabilities" or generation_config is None or not generation_config.do_sample:
+    return mode == "draft_probabilities" and generation_config is not None and bool(generation_config.do_sample)
+
+
+def context_tokens(draft, generation_config) -> int:
+    """Tokens per copied continuation for this call (0: no context candidates), see `context_candidate_tokens`."""
+    return context_candidate_tokens(getattr(draft, "generation_config", None),
+                                    sampled_trees=draws_sampled_trees(draft, generation_config))
+
+
+def sampled_tree_warping(draft, generation_config, context: bool = False) -> DraftWarping | None:
+    """The draft's warping when this call samples its trees (`draws_sampled_trees`), else None. A combination that
+    chooses a node's children after drawing them (context candidates turned on explicitly) raises: the recursive
+    rule would not be exact there."""
+    if not draws_sampled_trees(draft, generation_config):
         return None
     conflict = sampled_trees_conflict(context)
     if conflict:
@@ -111,7 +122,7 @@ class PosSCandidateGenerator(CandidateGenerator):
         self.target = target
         self.depth, self.top_k, self.total_tokens = tree_shape(draft)
         self.device = place_draft(draft, target)
-        tokens = context_candidate_tokens(getattr(draft, "generation_config", None))
+        tokens = context_tokens(draft, generation_config)
         self.context = ContextCandidates(tokens) if tokens > 0 else None
         self.warping = sampled_tree_warping(draft, generation_config, self.context is not None)
         self._setup_budget()

@@ -1,6 +1,7 @@
 """One tree from two sources: the draft's tree and continuations copied from the context, with per-source estimates.
 
-With ``draft.generation_config.tree_context_candidates`` set, every round:
+With ``draft.generation_config.tree_context_candidates`` on (the default; ``False`` reproduces the paper), every
+round:
 
 1. the draft drafts its tree as usual;
 2. below every node of it (the root included) the context (prompt + generated tokens) is searched for the longest
@@ -34,14 +35,18 @@ CONTEXT_MIN_NGRAM = 2  # shortest suffix accepted as a match below a drafted nod
 CONTEXT_ROOT_MIN_NGRAM = 1  # ... and at the root (a 1-token match there has its own acceptance rate)
 
 
-def context_candidate_tokens(config) -> int:
+def context_candidate_tokens(config, sampled_trees: bool = False) -> int:
     """``generation_config.tree_context_candidates`` as the length of a copied continuation (0: off).
 
-    ``None`` / ``False`` / ``0``: off (the paper's setting); ``True``: `DEFAULT_CONTEXT_TOKENS`; an int ``>= 1``:
-    that many tokens per continuation. Anything else raises a ``ValueError``.
+    Unset (``None``): on, `DEFAULT_CONTEXT_TOKENS`, except for a call that samples its trees from the draft
+    (``sampled_trees``: ``tree_sampling="draft_probabilities"``), which cannot cut a tree after drawing it; ``False`` /
+    ``0``: off (the paper's setting); ``True``: `DEFAULT_CONTEXT_TOKENS`; an int ``>= 1``: that many tokens per
+    continuation. Anything else raises a ``ValueError``.
     """
     value = getattr(config, "tree_context_candidates", None)
-    if value is None or value is False:
+    if value is None:
+        return 0 if sampled_trees else DEFAULT_CONTEXT_TOKENS
+    if value is False:
         return 0
     if value is True:
         return DEFAULT_CONTEXT_TOKENS
