@@ -251,7 +251,8 @@ def regenerate(target, tokenizer, conversations, output_path, batch_size: int = 
     """Regenerate the assistant turns of ``conversations`` (lists of messages, or bare prompt strings).
 
     Each finished conversation is appended to ``output_path`` as ``{"id": index, "messages": [...]}`` (with
-    ``"sampling": {"temperature", "top_p"}`` when ``temperature > 0``); ids already in the file are skipped (resume). Returns ``{"conversations", "generated_tokens", "seconds", "tokens_per_s"}``.
+    ``"sampling": {"temperature", "top_p"}`` when ``temperature > 0``); ids already in the file are skipped
+    (resume). Returns ``{"conversations", "generated_tokens", "seconds", "tokens_per_s"}``.
     """
     conversations = [[{"role": "user", "content": c}] if isinstance(c, str) else c for c in conversations]
     done = {r["id"] for r in read_jsonl(output_path)}
@@ -263,6 +264,7 @@ def regenerate(target, tokenizer, conversations, output_path, batch_size: int = 
         return len(first_user)
 
     todo.sort(key=prompt_length)
+    sampled = {"sampling": {"temperature": temperature, "top_p": top_p}} if temperature > 0 else {}  # per record
     generated, start = 0, time.perf_counter()
     bar = tqdm(total=len(conversations), initial=len(done), desc="self-distillation", unit="conv", disable=not progress)
     for b in range(0, len(todo), batch_size):
@@ -280,7 +282,6 @@ def regenerate(target, tokenizer, conversations, output_path, batch_size: int = 
             for i, row in zip(active, rows):
                 generated += len(row) + 1
                 histories[i].append({"role": "assistant", "content": tokenizer.decode(row, skip_special_tokens=True).strip()})
-        sampled = {"sampling": {"temperature": temperature, "top_p": top_p}} if temperature > 0 else {}
         _append_jsonl(output_path, [{"id": i, "messages": histories[i], **sampled} for i in chunk])
         bar.update(len(chunk))
         seconds = time.perf_counter() - start
