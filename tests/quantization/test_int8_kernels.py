@@ -180,3 +180,28 @@ def test_kernels_are_chosen_when_the_model_is_quantized(monkeypatch):
         for n in (1, 3, 16, 40, 70):
             target(torch.randint(3, 90, (1, n)))
     assert not timed and kernels._choices
+
+
+def test_the_seven_bit_kernel_is_not_timed_where_the_eight_bit_one_is_exact(monkeypatch):
+    """Both run the same fbgemm GEMM, the 7-bit one on twice the rows: timing it too only lets noise pick it."""
+    monkeypatch.setattr(kernels, "available_kernels", lambda: ("int_mm", "fbgemm8", "fbgemm"))
+    assert kernels.candidate_kernels() == ("int_mm", "fbgemm8")
+    monkeypatch.setattr(kernels, "available_kernels", lambda: ("int_mm", "fbgemm"))
+    assert kernels.candidate_kernels() == ("int_mm", "fbgemm")
+    monkeypatch.setattr(kernels, "available_kernels", lambda: ("fbgemm8",))
+    assert kernels.candidate_kernels() == ("fbgemm8",)
+
+
+def test_kernel_timing_interleaves_the_kernels(monkeypatch):
+    """Each round runs every kernel once, so drift of the machine hits them alike; the least time wins."""
+    state = kernels.KernelState(torch.randint(-127, 128, (32, 8), dtype=torch.int8))
+    calls, costs, now = [], {"int_mm": 3e-3, "fbgemm8": 1e-3}, [0.0]
+
+    def product(self, rows, kernel):
+        calls.append(kernel)
+        now[0] += costs[kernel]
+
+    monkeypatch.setattr(kernels.KernelState, "product", product)
+    monkeypatch.setattr(kernels.time, "perf_counter", lambda: now[0])
+    assert kernels._time_kernels(state, 4, ("int_mm", "fbgemm8"), repeats=3) == "fbgemm8"
+    assert calls[2:] == ["int_mm", "fbgemm8"] * 3  # after one warm-up call each, alternating rounds
