@@ -117,3 +117,29 @@ def test_a_config_number_written_as_a_string_is_named(tmp_path, key, value):
     (tmp_path / "d" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=rf"config\.json: `{key}` is the string '{value}'; write it as a number"):
         PosSDraftModel.from_pretrained(tmp_path / "d")
+
+
+def test_split_data_holds_out_only_unseen_conversations_and_keeps_a_users_file(tmp_path):
+    """`examples/smollm2_drafts/split_data.py`: held-out conversations come from after ``--seen``, train + held-out
+    is the whole file, a second run with the same settings changes nothing, and a different file is never overwritten."""
+    import importlib.util
+
+    path = DATA.parents[1] / "examples" / "smollm2_drafts" / "split_data.py"
+    spec = importlib.util.spec_from_file_location("split_data", path)
+    split = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(split)
+    with gzip.open(DATA / "conversations.jsonl.gz", "rt", encoding="utf-8") as handle:
+        lines = [line for line in handle if line.strip()]
+    seen = len(lines) - 50
+    assert split.main(["--out", str(tmp_path), "--seen", str(seen), "--heldout", "20"]) == 0
+    with gzip.open(tmp_path / "train.jsonl.gz", "rt", encoding="utf-8") as handle:
+        train = handle.readlines()
+    with gzip.open(tmp_path / "heldout.jsonl.gz", "rt", encoding="utf-8") as handle:
+        held = handle.readlines()
+    assert len(held) == 20 and set(held) <= set(lines[seen:])
+    assert sorted(train + held) == sorted(lines) and train[:len(lines) - 70] != lines[:len(lines) - 70]  # shuffled
+    assert split.main(["--out", str(tmp_path), "--seen", str(seen), "--heldout", "20"]) == 0  # same split: kept
+    with pytest.raises(SystemExit, match="exists with other conversations"):
+        split.main(["--out", str(tmp_path), "--seen", str(seen), "--heldout", "20", "--seed", "1"])
+    with gzip.open(tmp_path / "train.jsonl.gz", "rt", encoding="utf-8") as handle:
+        assert handle.readlines() == train
