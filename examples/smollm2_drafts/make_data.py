@@ -89,6 +89,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-batch-size", type=int, default=32, help="prompts sampled together")
     parser.add_argument("--device", default="auto", help="where the target runs (auto: cuda if present, else cpu)")
     parser.add_argument("--chunk", type=int, default=64, help="answers generated between checkpoints")
+    parser.add_argument("--segment-tokens", type=int, default=128,
+                        help="answers that stopped leave their batch every this many new tokens, the others go on "
+                             "(0: the whole batch runs until its longest answer ends)")
     parser.add_argument("--minutes", type=float, default=60.0, help="stop after about this long")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--precision", choices=("auto", "bfloat16", "int8", "float32"), default="auto",
@@ -105,6 +108,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not 0.0 <= args.sampled_share <= 1.0:
         parser.error(f"--sampled-share must be between 0 and 1, got {args.sampled_share}")
+    if args.segment_tokens < 0:
+        parser.error(f"--segment-tokens must be 0 or a positive number of tokens, got {args.segment_tokens}")
     if args.sampled_share and not args.temperature > 0:
         parser.error(f"--temperature must be above 0 for sampled answers, got {args.temperature}")
     if args.threads:
@@ -147,7 +152,7 @@ def main(argv=None) -> int:
         sampled = sampled_chunk(done // args.chunk, args.sampled_share)
         stats = regenerate(target, tokenizer, prompts[: done + args.chunk], answers_file, batch_size=args.batch_size,
                            max_new_tokens=args.max_new_tokens, temperature=args.temperature if sampled else 0.0,
-                           top_p=args.top_p, seed=done, progress=False)
+                           top_p=args.top_p, seed=done, progress=False, segment_tokens=args.segment_tokens or None)
         records = read_jsonl(answers_file)
         total += assistant_tokens(tokenizer, records[done:])
         if time.time() - packed > 60 * PACK_MINUTES:  # the plain file is the checkpoint; the .gz is what is committed
@@ -181,7 +186,7 @@ def followups(target, tokenizer, args, exclude, deadline) -> None:
     answers_file = _unpack("followups.jsonl")
     if time.time() < deadline:
         regenerate(target, tokenizer, usable, answers_file, batch_size=args.batch_size,
-                   max_new_tokens=args.max_new_tokens, progress=False)
+                   max_new_tokens=args.max_new_tokens, progress=False, segment_tokens=args.segment_tokens or None)
         _pack(answers_file)
     print(f"[data] {len(read_jsonl(answers_file))} conversations with a follow-up turn", flush=True)
 

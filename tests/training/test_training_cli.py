@@ -225,6 +225,30 @@ def test_self_distillation_resumes(tmp_path, tiny_chat_target):
     assert not any("sampling" in r for r in rows)  # greedy answers carry no sampling settings
 
 
+def test_segmented_generation_matches_one_pass(tiny_chat_target):
+    """Rows that stop leave the batch between segments; the others continue exactly as in one long pass."""
+    import copy
+
+    from transformers_poss.training.distill import _generate
+
+    _, model, tokenizer = tiny_chat_target
+    model = copy.deepcopy(model).to(torch.float64)  # a fresh prefill then matches incremental decoding bit for bit
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             for p in ("Hi.", "Name three colours of the rainbow, please.", "Count to three.")]
+    eos = [tokenizer.eos_token_id]
+    whole, _ = _generate(model, tokenizer, texts, eos, 14, 0.0, 1.0)
+    # make one row stop early: its 6th token becomes a stop token (the first time it occurs in that row)
+    stop = whole[1][5]
+    stops = eos + [stop]
+    expected, expected_finished = _generate(model, tokenizer, texts, stops, 14, 0.0, 1.0)
+    assert expected_finished[1] and len(expected[1]) <= 5
+    for segment in (1, 4, 5, 14, 50):
+        rows, finished = _generate(model, tokenizer, texts, stops, 14, 0.0, 1.0, segment_tokens=segment)
+        assert rows == expected and finished == expected_finished, segment
+    with pytest.raises(ValueError, match="segment_tokens"):
+        regenerate(model, tokenizer, ["Hi."], "unused.jsonl", segment_tokens=0, progress=False)
+
+
 def test_sampled_answers_record_their_settings(tmp_path, tiny_chat_target):
     _, model, tokenizer = tiny_chat_target
     path = tmp_path / "conv.jsonl"
@@ -375,3 +399,10 @@ def test_make_data_refuses_a_bad_share(capsys):
     with pytest.raises(SystemExit):
         make_data.main(["--sampled-share", "1.5"])
     assert "--sampled-share must be between 0 and 1, got 1.5" in capsys.readouterr().err
+
+
+def test_make_data_refuses_a_negative_segment(capsys):
+    make_data = _make_data_module()
+    with pytest.raises(SystemExit):
+        make_data.main(["--segment-tokens", "-1"])
+    assert "--segment-tokens" in capsys.readouterr().err

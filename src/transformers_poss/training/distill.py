@@ -144,26 +144,37 @@ def _normalized(text: str) -> str:
 
 
 @torch.no_grad()
-def _generate(target, tokenizer, texts, stop_ids, max_new_tokens, temperature, top_p):
-    """Batched generation from rendered texts (left padding). Returns (new token id lists, finished flags)."""
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    try:
-        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
-    finally:
-        tokenizer.padding_side = side
+def _generate(target, tokenizer, texts, stop_ids, max_new_tokens, temperature, top_p, segment_tokens=None):
+    """Batched generation from rendered texts (left padding). Returns (new token id lists, finished flags).
+
+    With ``segment_tokens``, the batch generates that many tokens at a time: after each segment the rows that stopped
+    leave, and the others go on from their prompt plus what they wrote so far (a fresh prefill). A batch then no
+    longer decodes padding behind rows that finished long ago, which dominates when answer lengths spread widely.
+    Each row still follows the target's own greedy or sampled continuation of its context.
+    """
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    stops = set(stop_ids)
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
-    # a cache that grows in place: appending with torch.cat copied the whole cache at every step (`growing_cache`)
-    out = target.generate(**batch, cache=growing_cache(target), max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
-                          pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0],
-                          **sampling)
-    new = out[:, batch["input_ids"].shape[1] :].tolist()
-    results, finished = [], []
-    for row in new:
-        end = next((i for i, t in enumerate(row) if t in stop_ids), None)
-        results.append(row if end is None else row[:end])
-        finished.append(end is not None)
-    return results, finished
+    new: list[list[int]] = [[] for _ in texts]
+    finished = [False] * len(texts)
+    active = list(range(len(texts)))
+    while active:
+        budget = min(segment_tokens or max_new_tokens, max_new_tokens - len(new[active[0]]))  # equal for all active
+        rows = [prompts[i] + new[i] for i in active]
+        width = max(len(r) for r in rows)
+        input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=target.device)
+        attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=target.device)
+        # a cache that grows in place: appending with torch.cat copied the whole cache at every step (`growing_cache`)
+        out = target.generate(input_ids=input_ids, attention_mask=attention_mask, cache=growing_cache(target),
+                              max_new_tokens=budget, eos_token_id=stop_ids, pad_token_id=pad, **sampling)
+        for i, row in zip(active, out[:, width:].tolist()):
+            end = next((k for k, t in enumerate(row) if t in stops), None)
+            # a row without a stop token wrote all `budget` tokens: generation only ends early once every row stopped
+            new[i] += row if end is None else row[:end]
+            finished[i] = end is not None
+        active = [i for i in active if not finished[i] and len(new[i]) < max_new_tokens]
+    return new, finished
 
 
 def synthesize_prompts(target, tokenizer, num_prompts: int, output_path, batch_size: int = 16,
@@ -247,13 +258,16 @@ def synthesize_followups(target, tokenizer, conversations, batch_size: int = 16,
 
 def regenerate(target, tokenizer, conversations, output_path, batch_size: int = 16, max_new_tokens: int = 512,
                temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chat_template=None,
-               progress: bool = True) -> dict:
+               progress: bool = True, segment_tokens: int | None = None) -> dict:
     """Regenerate the assistant turns of ``conversations`` (lists of messages, or bare prompt strings).
 
     Each finished conversation is appended to ``output_path`` as ``{"id": index, "messages": [...]}`` (with
     ``"sampling": {"temperature", "top_p"}`` when ``temperature > 0``); ids already in the file are skipped
-    (resume). Returns ``{"conversations", "generated_tokens", "seconds", "tokens_per_s"}``.
+    (resume). ``segment_tokens`` lets finished rows leave a batch every that many tokens (see ``_generate``).
+    Returns ``{"conversations", "generated_tokens", "seconds", "tokens_per_s"}``.
     """
+    if segment_tokens is not None and segment_tokens < 1:
+        raise ValueError(f"segment_tokens must be a positive number of tokens or None, got {segment_tokens}.")
     conversations = [[{"role": "user", "content": c}] if isinstance(c, str) else c for c in conversations]
     done = {r["id"] for r in read_jsonl(output_path)}
     todo = [i for i in range(len(conversations)) if i not in done]
@@ -278,7 +292,7 @@ def regenerate(target, tokenizer, conversations, output_path, batch_size: int = 
                 histories[i].append(users[i][turn])
             texts = [tokenizer.apply_chat_template(histories[i], tokenize=False, add_generation_prompt=True,
                                                    chat_template=chat_template) for i in active]
-            rows, _ = _generate(target, tokenizer, texts, stop_ids, max_new_tokens, temperature, top_p)
+            rows, _ = _generate(target, tokenizer, texts, stop_ids, max_new_tokens, temperature, top_p, segment_tokens)
             for i, row in zip(active, rows):
                 generated += len(row) + 1
                 histories[i].append({"role": "assistant", "content": tokenizer.decode(row, skip_special_tokens=True).strip()})
