@@ -143,3 +143,41 @@ def test_split_data_holds_out_only_unseen_conversations_and_keeps_a_users_file(t
         split.main(["--out", str(tmp_path), "--seen", str(seen), "--heldout", "20", "--seed", "1"])
     with gzip.open(tmp_path / "train.jsonl.gz", "rt", encoding="utf-8") as handle:
         assert handle.readlines() == train
+
+
+def test_split_data_trains_on_the_two_turn_form_of_followed_up_conversations(tmp_path):
+    """A conversation continued with a follow-up turn is trained on in its two-turn form (in place of the one-turn
+    one, never both); held-out conversations stay one-turn and no follow-up of theirs reaches the training file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("split_data", DATA.parents[1] / "examples" / "smollm2_drafts" /
+                                                  "split_data.py")
+    split = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(split)
+    data = tmp_path / "data"
+    data.mkdir()
+
+    def turn(i):
+        return [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
+
+    order = [3, 0, 7, 1, 9, 2, 8, 4, 6, 5]  # answers are written out of id order
+    _gz(data / "conversations.jsonl.gz", [json.dumps({"id": i, "messages": turn(i)}) for i in order])
+    sources = [7, 2, 9, 4]  # 2 asked nothing usable
+    _gz(data / "followup-prompts.jsonl.gz", [json.dumps({"source": s, "messages": None if s == 2 else
+                                                          turn(s) + [{"role": "user", "content": f"more on {s}"}]})
+                                              for s in sources])
+    more = {s: turn(s) + [{"role": "user", "content": f"more on {s}"}, {"role": "assistant", "content": f"more {s}"}]
+            for s in (7, 9, 4)}
+    _gz(data / "followups.jsonl.gz", [json.dumps({"id": k, "messages": more[s]}) for k, s in enumerate((7, 9, 4))])
+    assert split.main(["--out", str(tmp_path / "out"), "--data", str(data), "--seen", "5", "--heldout", "3"]) == 0
+    with gzip.open(tmp_path / "out" / "train.jsonl.gz", "rt", encoding="utf-8") as handle:
+        train = [json.loads(line) for line in handle]
+    with gzip.open(tmp_path / "out" / "heldout.jsonl.gz", "rt", encoding="utf-8") as handle:
+        held = [json.loads(line) for line in handle]
+    assert sorted(r["id"] for r in train + held) == list(range(10))  # each conversation once
+    held_ids = {r["id"] for r in held}
+    assert all(len(r["messages"]) == 2 for r in held)
+    for record in train:
+        expected = more[record["id"]] if record["id"] in more else turn(record["id"])
+        assert record["messages"] == expected
+    assert sum(len(r["messages"]) == 4 for r in train) == len(set(more) - held_ids) >= 1

@@ -6,8 +6,9 @@
 2. The target answers them (batched), so drafts learn the target's own outputs: greedily, or for a share of the
    chunks (``--sampled-share``) by sampling at ``--temperature`` / ``--top-p``, so that the drafts also see the
    contexts that sampling users produce (such records carry ``"sampling"``).
-3. Optionally (``--followups N``) the target writes a follow-up user turn for N answered conversations and answers
-   it too: multi-turn data in ``followups.jsonl.gz``.
+3. Optionally (``--followups N``) the target writes a follow-up user turn for N answered conversations (spread
+   over the whole set) and answers it, keeping its first answer: two-turn data in ``followups.jsonl.gz``, which
+   ``split_data.py`` puts in place of the one-turn conversation it continues.
 
 Everything is appended to JSONL files and stored compressed in ``data/smollm2-135m-instruct/`` so the work can span
 several sittings: run the script again and it continues where it stopped. ``--minutes`` bounds one sitting.
@@ -100,7 +101,8 @@ def main(argv=None) -> int:
                              "GPU)")
     parser.add_argument("--no-categories", action="store_true",
                         help="sample new prompts from the bare template instead of by request category")
-    parser.add_argument("--followups", type=int, default=0, help="answered conversations that get a follow-up turn")
+    parser.add_argument("--followups", type=int, default=0,
+                        help="answered conversations that get a follow-up turn in total (after every prompt is answered)")
     parser.add_argument("--sampled-share", type=float, default=0.0,
                         help="share of answer chunks sampled instead of greedy (0: all greedy; 0.5: every other one)")
     parser.add_argument("--temperature", type=float, default=0.8, help="temperature of sampled answers")
@@ -166,29 +168,60 @@ def main(argv=None) -> int:
     return 0
 
 
+def followup_order(ids) -> list[int]:
+    """Answered conversation ids in the order follow-ups are written: a fixed pseudo-random order, so that
+    follow-ups spread over every request kind and period of the data, and a resumed run picks the same ones."""
+    return sorted(ids, key=lambda i: ((i * 2654435761) % 2**32, i))
+
+
+def followup_sources(questions: list[dict]) -> list[int]:
+    """The source conversation of each record of ``followups.jsonl``: its ids index the usable questions."""
+    return [r["source"] for r in questions if r["messages"]]
+
+
 def followups(target, tokenizer, args, exclude, deadline) -> None:
-    """Follow-up turns for the first ``--followups`` answered conversations, answered by the target (resumable)."""
-    answered = sorted(read_jsonl(_unpack("conversations.jsonl")), key=lambda r: r["id"])[: args.followups]
+    """A follow-up turn for ``--followups`` answered conversations (resumable): the target writes the next user
+    turn after its own answer, then answers it; the first answer is kept as it is. Written to
+    ``followups.jsonl(.gz)`` (ids index the usable questions of ``followup-prompts.jsonl``, see
+    `followup_sources`); ``--sampled-share`` of the chunks are sampled, like the first answers."""
+    answered = {r["id"]: r for r in read_jsonl(_unpack("conversations.jsonl"))}
     questions_file = _unpack("followup-prompts.jsonl")
     asked = {r["source"] for r in read_jsonl(questions_file)}
-    todo = [r for r in answered if r["id"] not in asked]
+    todo = [i for i in followup_order(answered) if i not in asked][: max(0, args.followups - len(asked))]
     for start in range(0, len(todo), args.chunk):
         if time.time() >= deadline:
             break
-        chunk = todo[start : start + args.chunk]
+        chunk = [answered[i] for i in todo[start : start + args.chunk]]
         turns = synthesize_followups(target, tokenizer, [r["messages"] for r in chunk], batch_size=args.prompt_batch_size,
-                                     seed=start, exclude=exclude)
+                                     seed=len(asked) + start, exclude=exclude, keep_answers=True)
         with open(questions_file, "a", encoding="utf-8") as handle:
             for record, messages in zip(chunk, turns):
                 handle.write(json.dumps({"source": record["id"], "messages": messages}, ensure_ascii=False) + "\n")
         _pack(questions_file)
     usable = [r["messages"] for r in read_jsonl(questions_file) if r["messages"]]
     answers_file = _unpack("followups.jsonl")
-    if time.time() < deadline:
-        regenerate(target, tokenizer, usable, answers_file, batch_size=args.batch_size,
-                   max_new_tokens=args.max_new_tokens, progress=False, segment_tokens=args.segment_tokens or None)
+    records = read_jsonl(answers_file)
+    total = followup_tokens(tokenizer, records)
+    while time.time() < deadline and len(records) < len(usable):
+        done = len(records)
+        sampled = sampled_chunk(done // args.chunk, args.sampled_share)
+        stats = regenerate(target, tokenizer, usable[: done + args.chunk], answers_file, batch_size=args.batch_size,
+                           max_new_tokens=args.max_new_tokens, temperature=args.temperature if sampled else 0.0,
+                           top_p=args.top_p, seed=done, progress=False, segment_tokens=args.segment_tokens or None,
+                           keep_answers=True)
+        records = read_jsonl(answers_file)
+        total += followup_tokens(tokenizer, records[done:])
         _pack(answers_file)
-    print(f"[data] {len(read_jsonl(answers_file))} conversations with a follow-up turn", flush=True)
+        print(f"[data] {len(records)} follow-up turns of {len(usable)} asked, {total} new assistant tokens, "
+              f"{stats['tokens_per_s']:.1f} tok/s this chunk ({'sampled' if sampled else 'greedy'})", flush=True)
+    _pack(answers_file)
+
+
+def followup_tokens(tokenizer, records: list[dict]) -> int:
+    """Assistant tokens of the follow-up answers only (the last turn of each record; the first is counted in the
+    conversations file)."""
+    return sum(len(tokenizer(r["messages"][-1]["content"])["input_ids"]) for r in records
+               if r["messages"] and r["messages"][-1]["role"] == "assistant")
 
 
 if __name__ == "__main__":

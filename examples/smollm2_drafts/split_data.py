@@ -4,7 +4,9 @@ The shipped EAGLE-2 draft was trained on the first 5,200 conversations of
 `data/smollm2-135m-instruct/conversations.jsonl.gz` (the file only grows at its end), so the held-out
 conversations are drawn (seeded) from the ones after them: every draft, old or new, is then measured on text
 it never trained on. The training file holds every other conversation in a seeded random order, so that
-``data.max_conversations`` (a prefix) is a random sample of the whole set:
+``data.max_conversations`` (a prefix) is a random sample of the whole set. A conversation that `make_data.py` continued
+with a follow-up turn (``followups.jsonl.gz``) is trained on in its two-turn form, which contains the one-turn one;
+held-out conversations stay one-turn:
 
     python examples/smollm2_drafts/split_data.py --out ~/.cache/transformers-poss/runs/split
     poss train --config examples/smollm2_drafts/recipe.yaml --train ~/.cache/.../split/train.jsonl.gz \
@@ -18,7 +20,26 @@ import random
 import sys
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[2] / "data" / "smollm2-135m-instruct" / "conversations.jsonl.gz"
+DATA = Path(__file__).resolve().parents[2] / "data" / "smollm2-135m-instruct"
+
+
+def read_gz_lines(path: Path) -> list[str]:
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        return [line if line.endswith("\n") else line + "\n" for line in handle if line.strip()]
+
+
+def followup_lines(data: Path) -> dict[int, str]:
+    """Source conversation id -> the line of its two-turn continuation (empty without follow-ups)."""
+    questions, answers = data / "followup-prompts.jsonl.gz", data / "followups.jsonl.gz"
+    if not (questions.exists() and answers.exists()):
+        return {}
+    sources = [json.loads(line)["source"] for line in read_gz_lines(questions) if json.loads(line)["messages"]]
+    out = {}
+    for line in read_gz_lines(answers):
+        record = json.loads(line)
+        source = sources[record["id"]]
+        out[source] = json.dumps({**record, "id": source, "followup": True}, ensure_ascii=False) + "\n"
+    return out
 
 
 def main(argv=None) -> int:
@@ -27,29 +48,33 @@ def main(argv=None) -> int:
     parser.add_argument("--seen", type=int, default=5200, help="leading conversations some shipped draft saw")
     parser.add_argument("--heldout", type=int, default=200, help="conversations held out")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data", default=str(DATA), help="folder of conversations.jsonl.gz (and the follow-ups)")
     args = parser.parse_args(argv)
-    with gzip.open(DATA, "rt", encoding="utf-8") as handle:
-        lines = [line for line in handle if line.strip()]
+    data = Path(args.data).expanduser()
+    lines = read_gz_lines(data / "conversations.jsonl.gz")
     if len(lines) - args.seen < args.heldout:
-        parser.error(f"{DATA} has {len(lines)} conversations: too few after --seen {args.seen} "
-                     f"to hold out {args.heldout}")
+        parser.error(f"{data / 'conversations.jsonl.gz'} has {len(lines)} conversations: too few after --seen "
+                     f"{args.seen} to hold out {args.heldout}")
+    ids = [json.loads(line)["id"] for line in lines]
+    longer = followup_lines(data)
     rng = random.Random(args.seed)
     held = set(rng.sample(range(args.seen, len(lines)), args.heldout))
     train = [i for i in range(len(lines)) if i not in held]
     rng.shuffle(train)
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    for name, indices in (("train", train), ("heldout", sorted(held))):
+    splits = (("train", [longer.get(ids[i], lines[i]) for i in train]), ("heldout", [lines[i] for i in sorted(held)]))
+    for name, chosen in splits:
         path = out / f"{name}.jsonl.gz"
         if path.exists():
-            with gzip.open(path, "rt", encoding="utf-8") as handle:
-                if [line for line in handle if line.strip()] == [lines[i] for i in indices]:
-                    print(f"{path}: unchanged ({len(indices)} conversations)")
-                    continue
+            if read_gz_lines(path) == chosen:
+                print(f"{path}: unchanged ({len(chosen)} conversations)")
+                continue
             sys.exit(f"{path} exists with other conversations: choose another --out (it is left as it is).")
         with gzip.open(path, "wt", encoding="utf-8") as handle:
-            handle.writelines(lines[i] for i in indices)
-        print(f"{path}: {len(indices)} conversations")
+            handle.writelines(chosen)
+        two_turn = sum(ids[i] in longer for i in train) if name == "train" else 0
+        print(f"{path}: {len(chosen)} conversations" + (f" ({two_turn} with a follow-up turn)" if two_turn else ""))
     return 0
 
 

@@ -50,9 +50,10 @@ echo "== data ($(date -u +%T))"
 $PY examples/smollm2_drafts/make_data.py --device "$DEVICE" --prompts "$PROMPTS" --max-new-tokens "$MAX_NEW_TOKENS" \
   --batch-size "$GEN_BATCH" --prompt-batch-size "$GEN_BATCH" --chunk "$GEN_BATCH" --minutes "$DATA_MINUTES" \
   --followups "$FOLLOWUPS"
-TRAIN_FILES=data/smollm2-135m-instruct/conversations.jsonl.gz
-[ -f data/smollm2-135m-instruct/followups.jsonl.gz ] && TRAIN_FILES="$TRAIN_FILES,data/smollm2-135m-instruct/followups.jsonl.gz"
-DATA_SET=(--train ${TRAIN_FILES//,/ })
+# every conversation once, in its two-turn form where make_data.py wrote a follow-up (derived: rebuilt each run)
+rm -rf runs/smollm2-gpu-data
+$PY examples/smollm2_drafts/split_data.py --out runs/smollm2-gpu-data --seen 0 --heldout 0
+DATA_SET=(--train runs/smollm2-gpu-data/train.jsonl.gz)
 
 echo "== features ($(date -u +%T))"
 $PY -m transformers_poss train --config "$RECIPE" "${DATA_SET[@]}" --stage features --device "$DEVICE" \

@@ -375,6 +375,81 @@ def test_followup_turns(tmp_path, tiny_chat_target, monkeypatch):
     assert stats["conversations"] == 1
 
 
+def test_a_followup_keeps_the_first_answer(tmp_path, tiny_chat_target, monkeypatch):
+    """``keep_answers``: the follow-up question comes after the target's own answer, and only the follow-up is
+    answered; without it every turn is answered anew."""
+    _, model, tokenizer = tiny_chat_target
+    import transformers_poss.training.distill as distill
+    from transformers_poss.training.distill import synthesize_followups
+
+    real = distill._generate
+    monkeypatch.setattr(distill, "_generate", lambda target, tok, texts, *a: (
+        [tok("So what is it times three, then?", add_special_tokens=False)["input_ids"] for _ in texts],
+        [True] * len(texts)))
+    conversation = _conversations(1)[0]["messages"]
+    asked = synthesize_followups(model, tokenizer, [conversation], keep_answers=True)[0]
+    assert asked == conversation + [{"role": "user", "content": "So what is it times three, then?"}]
+    prompts = []
+
+    def counting(target, tok, texts, *args):
+        prompts.extend(texts)
+        return real(target, tok, texts, *args)
+
+    monkeypatch.setattr(distill, "_generate", counting)
+    stats = regenerate(model, tokenizer, [asked], tmp_path / "kept.jsonl", max_new_tokens=3, progress=False,
+                       keep_answers=True)
+    kept = json.loads((tmp_path / "kept.jsonl").read_text())["messages"]
+    assert kept[:3] == asked and kept[3]["role"] == "assistant" and len(kept) == 4
+    assert len(prompts) == 1 and "0 plus 0 is 0" in prompts[0] and prompts[0].endswith("assistant\n")
+    assert 1 <= stats["generated_tokens"] <= 4
+    regenerate(model, tokenizer, [asked], tmp_path / "anew.jsonl", max_new_tokens=3, progress=False)
+    anew = json.loads((tmp_path / "anew.jsonl").read_text())["messages"]
+    assert len(prompts) == 3 and anew[1] != conversation[1]  # both turns answered again by the random model
+
+
+def test_make_data_followups_are_resumable_and_spread(tmp_path, tiny_chat_target, monkeypatch):
+    """`make_data.py`'s follow-up phase: N sources in a fixed spread order, the first answer kept, the new turn
+    answered, and a second run with a larger N adds to the files instead of starting over."""
+    import argparse
+    import gzip
+    import time
+
+    _, model, tokenizer = tiny_chat_target
+    make_data = _make_data_module()
+    monkeypatch.setattr(make_data, "DATA", tmp_path)
+    records = [{"id": i, "messages": c["messages"]} for i, c in enumerate(_conversations(12))]
+    with gzip.open(tmp_path / "conversations.jsonl.gz", "wt", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(r) + "\n" for r in records)
+    import transformers_poss.training.distill as distill
+
+    def questions(target, tok, texts, stop_ids, max_new_tokens, *args):
+        if max_new_tokens == 96:  # the follow-up questions
+            return [tok(f"Could you explain step {k} of that once more?", add_special_tokens=False)["input_ids"]
+                    for k in range(len(texts))], [True] * len(texts)
+        return [tok("Sure, here it is.", add_special_tokens=False)["input_ids"] for _ in texts], [True] * len(texts)
+
+    monkeypatch.setattr(distill, "_generate", questions)
+    args = argparse.Namespace(followups=5, chunk=2, prompt_batch_size=4, batch_size=4, max_new_tokens=3,
+                              sampled_share=0.0, temperature=0.8, top_p=0.95, segment_tokens=0)
+    make_data.followups(model, tokenizer, args, [], time.time() + 600)
+    asked = make_data.read_jsonl(tmp_path / "followup-prompts.jsonl")
+    assert [r["source"] for r in asked] == make_data.followup_order(range(12))[:5]
+    assert [r["source"] for r in asked] != list(range(5))  # spread, not the first five
+    answered = make_data.read_jsonl(tmp_path / "followups.jsonl")
+    assert sorted(r["id"] for r in answered) == list(range(5))
+    sources = make_data.followup_sources(asked)
+    for record in answered:
+        source = records[sources[record["id"]]]["messages"]
+        assert record["messages"][:2] == source and record["messages"][3]["content"] == "Sure, here it is."
+    assert make_data.followup_tokens(tokenizer, answered) == 5 * len(tokenizer("Sure, here it is.")["input_ids"])
+    args.followups = 7
+    make_data.followups(model, tokenizer, args, [], time.time() + 600)
+    asked_again = make_data.read_jsonl(tmp_path / "followup-prompts.jsonl")
+    assert asked_again[:5] == asked and len(asked_again) == 7
+    assert len(make_data.read_jsonl(tmp_path / "followups.jsonl")) == 7
+    assert (tmp_path / "followups.jsonl.gz").exists()
+
+
 def _make_data_module():
     from pathlib import Path
 

@@ -229,12 +229,13 @@ def _next_user_prefix(tokenizer, messages, chat_template=None) -> str:
 
 def synthesize_followups(target, tokenizer, conversations, batch_size: int = 16, max_new_tokens: int = 96,
                          temperature: float = 1.0, top_p: float = 0.95, seed: int = 0, exclude=(),
-                         chat_template=None) -> list[list[dict] | None]:
+                         chat_template=None, keep_answers: bool = False) -> list[list[dict] | None]:
     """A follow-up user turn for each answered conversation, written by the target as the user.
 
-    Returns, per conversation, its system/user turns plus the follow-up (assistant turns dropped, ready for
-    [`regenerate`] to answer every turn), or ``None`` where the target wrote nothing usable (unfinished, degenerate,
-    a repeat of the first turn, or an excluded prompt).
+    Returns, per conversation, its system/user turns plus the follow-up, or ``None`` where the target wrote nothing
+    usable (unfinished, degenerate, a repeat of an earlier turn, or an excluded prompt). The assistant turns are
+    dropped, ready for [`regenerate`] to answer every turn, or kept with ``keep_answers=True`` (then
+    ``regenerate(..., keep_answers=True)`` answers only the follow-up).
     """
     stop_ids = end_of_turn_ids(tokenizer, target)
     excluded = {_normalized(p) for p in exclude}
@@ -251,19 +252,33 @@ def synthesize_followups(target, tokenizer, conversations, batch_size: int = 16,
             if not done or is_degenerate(text) or key in earlier or key in excluded:
                 out.append(None)
                 continue
-            kept = [m for m in conversation if m["role"] != "assistant"]
+            kept = list(conversation) if keep_answers else [m for m in conversation if m["role"] != "assistant"]
             out.append(kept + [{"role": "user", "content": text}])
     return out
 
 
+def _user_turns(messages: list[dict], keep_answers: bool) -> list[tuple[dict, dict | None]]:
+    """``(user message, the assistant message answering it or None)`` per user turn; answers are only kept with
+    ``keep_answers`` (otherwise every turn is answered anew)."""
+    turns: list[tuple[dict, dict | None]] = []
+    for message in messages:
+        if message["role"] == "user":
+            turns.append((message, None))
+        elif message["role"] == "assistant" and keep_answers and turns and turns[-1][1] is None:
+            turns[-1] = (turns[-1][0], message)
+    return turns
+
+
 def regenerate(target, tokenizer, conversations, output_path, batch_size: int = 16, max_new_tokens: int = 512,
                temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chat_template=None,
-               progress: bool = True, segment_tokens: int | None = None) -> dict:
+               progress: bool = True, segment_tokens: int | None = None, keep_answers: bool = False) -> dict:
     """Regenerate the assistant turns of ``conversations`` (lists of messages, or bare prompt strings).
 
     Each finished conversation is appended to ``output_path`` as ``{"id": index, "messages": [...]}`` (with
     ``"sampling": {"temperature", "top_p"}`` when ``temperature > 0``); ids already in the file are skipped
     (resume). ``segment_tokens`` lets finished rows leave a batch every that many tokens (see ``_generate``).
+    With ``keep_answers``, an assistant message that follows a user turn is kept as it is and only user turns
+    without an answer are answered (e.g. a follow-up question to a conversation answered before).
     Returns ``{"conversations", "generated_tokens", "seconds", "tokens_per_s"}``.
     """
     if segment_tokens is not None and segment_tokens < 1:
@@ -285,17 +300,22 @@ def regenerate(target, tokenizer, conversations, output_path, batch_size: int = 
         chunk = todo[b : b + batch_size]
         torch.manual_seed(seed + b)
         histories = {i: [m for m in conversations[i] if m["role"] == "system"] for i in chunk}
-        users = {i: [m for m in conversations[i] if m["role"] == "user"] for i in chunk}
-        for turn in range(max(len(u) for u in users.values())):
-            active = [i for i in chunk if turn < len(users[i])]
+        turns = {i: _user_turns(conversations[i], keep_answers) for i in chunk}
+        for turn in range(max(len(t) for t in turns.values())):
+            active = [i for i in chunk if turn < len(turns[i])]
             for i in active:
-                histories[i].append(users[i][turn])
+                histories[i].append(turns[i][turn][0])
+            asking = [i for i in active if turns[i][turn][1] is None]
             texts = [tokenizer.apply_chat_template(histories[i], tokenize=False, add_generation_prompt=True,
-                                                   chat_template=chat_template) for i in active]
-            rows, _ = _generate(target, tokenizer, texts, stop_ids, max_new_tokens, temperature, top_p, segment_tokens)
-            for i, row in zip(active, rows):
+                                                   chat_template=chat_template) for i in asking]
+            rows, _ = _generate(target, tokenizer, texts, stop_ids, max_new_tokens, temperature, top_p,
+                                segment_tokens) if asking else ([], [])
+            answers = {i: turns[i][turn][1] for i in active}
+            for i, row in zip(asking, rows):
                 generated += len(row) + 1
-                histories[i].append({"role": "assistant", "content": tokenizer.decode(row, skip_special_tokens=True).strip()})
+                answers[i] = {"role": "assistant", "content": tokenizer.decode(row, skip_special_tokens=True).strip()}
+            for i in active:
+                histories[i].append(answers[i])
         _append_jsonl(output_path, [{"id": i, "messages": histories[i], **sampled} for i in chunk])
         bar.update(len(chunk))
         seconds = time.perf_counter() - start
