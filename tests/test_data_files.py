@@ -181,3 +181,23 @@ def test_split_data_trains_on_the_two_turn_form_of_followed_up_conversations(tmp
         expected = more[record["id"]] if record["id"] in more else turn(record["id"])
         assert record["messages"] == expected
     assert sum(len(r["messages"]) == 4 for r in train) == len(set(more) - held_ids) >= 1
+
+
+def test_committed_data_holds_no_evaluation_prompt_and_no_repeated_prompt():
+    """Every user turn of the committed data (prompts, answered conversations, follow-ups) is checked against the
+    MT-Bench turns shipped with the package, and the synthesised prompts are distinct (normalised as the synthesis
+    normalises them)."""
+    from transformers_poss.bench.run import bundled_questions
+    from transformers_poss.training.distill import _normalized
+
+    evaluation = {_normalized(turn) for line in bundled_questions().read_text(encoding="utf-8").splitlines()
+                  if line.strip() for turn in json.loads(line)["turns"]}
+    assert len(evaluation) >= 150
+    prompts = [_normalized(r["prompt"]) for r in read_jsonl(DATA / "prompts.jsonl.gz")]
+    assert len(set(prompts)) == len(prompts) and not set(prompts) & evaluation
+    users = []
+    for name in ("conversations.jsonl.gz", "followup-prompts.jsonl.gz", "followups.jsonl.gz"):
+        if (DATA / name).exists():
+            users += [_normalized(m["content"]) for r in read_jsonl(DATA / name) for m in r["messages"] or []
+                      if m["role"] == "user"]
+    assert len(users) >= len(prompts) and not set(users) & evaluation
