@@ -137,7 +137,16 @@ def test_split_data_holds_out_only_unseen_conversations_and_keeps_a_users_file(t
     with gzip.open(tmp_path / "heldout.jsonl.gz", "rt", encoding="utf-8") as handle:
         held = handle.readlines()
     assert len(held) == 20 and set(held) <= set(lines[seen:])
-    assert sorted(train + held) == sorted(lines) and train[:len(lines) - 70] != lines[:len(lines) - 70]  # shuffled
+    # every conversation once: as it is, or in its two-turn form where a follow-up continues it (then it starts alike)
+    by_id, originals = {json.loads(line)["id"]: json.loads(line) for line in lines}, set(lines)
+    assert sorted(json.loads(line)["id"] for line in train + held) == sorted(by_id)
+    for line in train:
+        record = json.loads(line)
+        if record.get("followup"):
+            assert record["messages"][: len(by_id[record["id"]]["messages"])] == by_id[record["id"]]["messages"]
+        else:
+            assert line in originals
+    assert train[:len(lines) - 70] != lines[:len(lines) - 70]  # shuffled
     assert split.main(["--out", str(tmp_path), "--seen", str(seen), "--heldout", "20"]) == 0  # same split: kept
     with pytest.raises(SystemExit, match="exists with other conversations"):
         split.main(["--out", str(tmp_path), "--seen", str(seen), "--heldout", "20", "--seed", "1"])
