@@ -174,16 +174,11 @@ def followup_order(ids) -> list[int]:
     return sorted(ids, key=lambda i: ((i * 2654435761) % 2**32, i))
 
 
-def followup_sources(questions: list[dict]) -> list[int]:
-    """The source conversation of each record of ``followups.jsonl``: its ids index the usable questions."""
-    return [r["source"] for r in questions if r["messages"]]
-
-
 def followups(target, tokenizer, args, exclude, deadline) -> None:
     """A follow-up turn for ``--followups`` answered conversations (resumable): the target writes the next user
     turn after its own answer, then answers it; the first answer is kept as it is. Written to
-    ``followups.jsonl(.gz)`` (ids index the usable questions of ``followup-prompts.jsonl``, see
-    `followup_sources`); ``--sampled-share`` of the chunks are sampled, like the first answers."""
+    ``followups.jsonl(.gz)`` (ids index the usable questions of ``followup-prompts.jsonl``, which
+    ``split_data.followup_lines`` maps back to their sources); ``--sampled-share`` of the chunks are sampled, like the first answers."""
     answered = {r["id"]: r for r in read_jsonl(_unpack("conversations.jsonl"))}
     questions_file = _unpack("followup-prompts.jsonl")
     asked = {r["source"] for r in read_jsonl(questions_file)}
@@ -214,7 +209,6 @@ def followups(target, tokenizer, args, exclude, deadline) -> None:
         _pack(answers_file)
         print(f"[data] {len(records)} follow-up turns of {len(usable)} asked, {total} new assistant tokens, "
               f"{stats['tokens_per_s']:.1f} tok/s this chunk ({'sampled' if sampled else 'greedy'})", flush=True)
-    _pack(answers_file)
 
 
 def followup_tokens(tokenizer, records: list[dict]) -> int:

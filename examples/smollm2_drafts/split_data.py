@@ -33,7 +33,8 @@ def followup_lines(data: Path) -> dict[int, str]:
     questions, answers = data / "followup-prompts.jsonl.gz", data / "followups.jsonl.gz"
     if not (questions.exists() and answers.exists()):
         return {}
-    sources = [json.loads(line)["source"] for line in read_gz_lines(questions) if json.loads(line)["messages"]]
+    asked = [json.loads(line) for line in read_gz_lines(questions)]
+    sources = [r["source"] for r in asked if r["messages"]]  # followups.jsonl ids index the usable questions
     out = {}
     for line in read_gz_lines(answers):
         record = json.loads(line)

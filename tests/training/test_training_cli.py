@@ -437,10 +437,17 @@ def test_make_data_followups_are_resumable_and_spread(tmp_path, tiny_chat_target
     assert [r["source"] for r in asked] != list(range(5))  # spread, not the first five
     answered = make_data.read_jsonl(tmp_path / "followups.jsonl")
     assert sorted(r["id"] for r in answered) == list(range(5))
-    sources = make_data.followup_sources(asked)
-    for record in answered:
-        source = records[sources[record["id"]]]["messages"]
-        assert record["messages"][:2] == source and record["messages"][3]["content"] == "Sure, here it is."
+    from pathlib import Path
+
+    split_path = Path(__file__).resolve().parents[2] / "examples" / "smollm2_drafts" / "split_data.py"
+    spec = importlib.util.spec_from_file_location("split_data", split_path)
+    split = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(split)
+    longer = {source: json.loads(line) for source, line in split.followup_lines(tmp_path).items()}
+    assert sorted(longer) == sorted(r["source"] for r in asked)
+    for source, record in longer.items():
+        assert record["messages"][:2] == records[source]["messages"]
+        assert record["messages"][3]["content"] == "Sure, here it is."
     assert make_data.followup_tokens(tokenizer, answered) == 5 * len(tokenizer("Sure, here it is.")["input_ids"])
     args.followups = 7
     make_data.followups(model, tokenizer, args, [], time.time() + 600)
