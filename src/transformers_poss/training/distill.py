@@ -180,14 +180,15 @@ def _generate(target, tokenizer, texts, stop_ids, max_new_tokens, temperature, t
 def synthesize_prompts(target, tokenizer, num_prompts: int, output_path, batch_size: int = 16,
                        max_new_tokens: int = 96, temperature: float = 1.0, top_p: float = 0.95, seed: int = 0,
                        exclude=(), chat_template=None, max_rounds: int | None = None, progress: bool = True,
-                       categories: dict[str, str] | None = None) -> list[str]:
+                       categories: dict[str, str] | None = None, segment_tokens: int | None = None) -> list[str]:
     """Sample ``num_prompts`` distinct user prompts from the target; appended to ``output_path`` as
     ``{"prompt": ...}`` lines (plus ``"category"`` when ``categories`` are given). Already written prompts count
     (resume). Returns all prompts in the file.
 
     ``categories`` maps a name to a system instruction that asks the target, writing as the user, for that kind of
     request; rounds take the categories in turn, so every kind is represented. Without it the user turn is sampled
-    from the bare template.
+    from the bare template. ``segment_tokens`` lets rows that stopped leave the batch every that many tokens (see
+    ``_generate``).
     """
     names = list(categories or {None: None})
     prefixes = {name: user_prefix(tokenizer, chat_template, categories[name] if name else None) for name in names}
@@ -201,7 +202,7 @@ def synthesize_prompts(target, tokenizer, num_prompts: int, output_path, batch_s
         name = names[(len(records) + rounds) % len(names)]
         torch.manual_seed(seed + len(prompts) * 7919 + rounds)
         rows, finished = _generate(target, tokenizer, [prefixes[name]] * batch_size, stop_ids, max_new_tokens,
-                                   temperature, top_p)
+                                   temperature, top_p, segment_tokens)
         rounds += 1
         fresh = []
         for row, done in zip(rows, finished):
