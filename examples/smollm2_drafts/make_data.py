@@ -15,6 +15,10 @@ several sittings: run the script again and it continues where it stopped. ``--mi
 
     python examples/smollm2_drafts/make_data.py --prompts 6000 --minutes 60
 
+Sampled tokens are drawn among the 50 top candidates inside a logits processor (`SampleAmongCandidates`, the same
+temperature -> top-k 50 -> top-p distribution as transformers' sampling): a sampled batch-96 decode step took 333 ms
+against 436 ms with transformers' top-p, which sorts the whole 49k vocabulary.
+
 On a CPU with bf16 units a large batch pays (one thread, up to 128 new tokens: bfloat16 83 answer tokens/s at batch
 32, 113 at 96, 121 at 160; the int8 copy 85 at 32 and 87 at 96): ``--batch-size 96 --chunk 96``.
 """

@@ -81,6 +81,18 @@ def test_draft_warping_matches_the_target_warpers():
     assert torch.allclose(DraftWarping(0.7, 8, 0.8)(logits), expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("settings", [(0.7, 8, 0.8), (1.0, 5, None), (1.3, 12, 0.5), (0.8, 50, 0.95)])
+def test_draft_warping_candidates_are_the_same_distribution(settings):
+    logits = 3 * torch.randn(64, 100, generator=torch.Generator().manual_seed(1))
+    warping = DraftWarping(*settings)
+    logprobs, ids = warping.candidates(logits)
+    assert ids.shape == (64, settings[1])
+    scattered = torch.full_like(logits, float("-inf")).scatter(-1, ids, logprobs)
+    assert torch.allclose(scattered.exp(), warping(logits).exp(), atol=1e-6)
+    with pytest.raises(ValueError, match="top_k"):
+        DraftWarping(1.0, None, 0.9).candidates(logits)
+
+
 def test_level_sizes():
     assert level_sizes(4, 4, 16) == [4, 4, 4, 3]
     assert level_sizes(6, 10, 60) == [10, 10, 10, 10, 10, 9]

@@ -79,6 +79,20 @@ class DraftWarping:
             logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
         return logits.log_softmax(dim=-1)
 
+    def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same distribution over its ``top_k`` candidates only, without sorting the vocabulary: log-probabilities
+        `[..., top_k]` (``-inf`` where top-p drops a candidate) and their token ids `[..., top_k]`, most likely first.
+        Needs ``top_k``."""
+        if self.top_k is None:
+            raise ValueError("DraftWarping.candidates needs a top_k (the candidates it keeps).")
+        values, ids = (logits.float() / self.temperature).topk(min(self.top_k, logits.shape[-1]), dim=-1)
+        if self.top_p is not None:
+            probs = values.softmax(dim=-1)
+            drop = probs.cumsum(dim=-1) - probs >= self.top_p  # the mass of the likelier candidates already reaches top_p
+            drop[..., 0] = False
+            values = values.masked_fill(drop, float("-inf"))
+        return values.log_softmax(dim=-1), ids
+
 
 def level_sizes(depth: int, top_k: int, total_tokens: int) -> list[int]:
     """Nodes per level (depth 1 first) of a sampled tree: ``top_k`` children of the root, the rest of the

@@ -21,7 +21,9 @@ import time
 
 import torch
 from tqdm.auto import tqdm
+from transformers import LogitsProcessor, LogitsProcessorList
 
+from ..speculation.sampled_drafter import DraftWarping
 from ..speculation.target_cache import growing_cache
 
 __all__ = [
@@ -143,6 +145,24 @@ def _normalized(text: str) -> str:
     return re.sub(r"\W+", " ", text.lower()).strip()
 
 
+SAMPLING_TOP_K = 50  # transformers' default top-k for sampling, which the data has always been sampled with
+
+
+class SampleAmongCandidates(LogitsProcessor):
+    """Draws the next token inside the logits processor, from the ``top_k`` candidates only: the distribution of
+    transformers' temperature -> top-k -> top-p sampling, without sorting the whole vocabulary for top-p or drawing
+    over it (about a third of a batch-96 decode step of the 49k-vocabulary SmolLM2 target on a CPU). Returns logits
+    that are 0 at the drawn token and ``-inf`` elsewhere, for a greedy ``generate`` to pick."""
+
+    def __init__(self, temperature: float, top_p: float, top_k: int = SAMPLING_TOP_K):
+        self.warping = DraftWarping(temperature, top_k, top_p)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        logprobs, ids = self.warping.candidates(scores)  # [B, k] each
+        drawn = ids.gather(-1, torch.multinomial(logprobs.exp(), 1))  # [B, 1]
+        return torch.full_like(scores, float("-inf")).scatter_(-1, drawn, 0.0)
+
+
 @torch.no_grad()
 def _generate(target, tokenizer, texts, stop_ids, max_new_tokens, temperature, top_p, segment_tokens=None):
     """Batched generation from rendered texts (left padding). Returns (new token id lists, finished flags).
@@ -155,7 +175,9 @@ def _generate(target, tokenizer, texts, stop_ids, max_new_tokens, temperature, t
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     stops = set(stop_ids)
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
+    sampling = dict(do_sample=False)
+    if temperature > 0:
+        sampling["logits_processor"] = LogitsProcessorList([SampleAmongCandidates(temperature, top_p)])
     new: list[list[int]] = [[] for _ in texts]
     finished = [False] * len(texts)
     active = list(range(len(texts)))
