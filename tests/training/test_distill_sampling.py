@@ -13,11 +13,12 @@ DRAWS = 30000
 
 
 def _reference(logits, temperature, top_k, top_p):
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k), TopPLogitsWarper(top_p)])
+    warpers = [TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else []) + [TopPLogitsWarper(top_p)]
+    warpers = LogitsProcessorList(warpers)
     return warpers(None, logits.clone()).softmax(dim=-1)
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 6, 0.9), (0.7, 4, 1.0), (1.4, 12, 0.6)])
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 6, 0.9), (0.7, 4, 1.0), (1.4, 12, 0.6), (1.0, 0, 0.8)])
 def test_draws_follow_the_warped_distribution(temperature, top_k, top_p):
     logits = torch.randn(1, V, generator=torch.Generator().manual_seed(4))
     processor = SampleAmongCandidates(temperature, top_p, top_k=top_k)

@@ -258,6 +258,26 @@ def test_sampled_answers_record_their_settings(tmp_path, tiny_chat_target):
     assert [r["sampling"] for r in rows] == [{"temperature": 0.8, "top_p": 0.95}] * 2
 
 
+def test_sampled_generation_follows_the_targets_top_k(tiny_chat_target):
+    """Sampled rows honour the target's generation config: with top_k 1 they are the greedy answer, with the
+    default (50) they are not."""
+    import copy
+
+    from transformers_poss.training.distill import _generate
+
+    _, model, tokenizer = tiny_chat_target
+    model = copy.deepcopy(model)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             for p in ("Hi.", "Name three colours of the rainbow, please.")]
+    eos = [tokenizer.eos_token_id]
+    greedy, _ = _generate(model, tokenizer, texts, eos, 12, 0.0, 1.0)
+    torch.manual_seed(0)
+    assert _generate(model, tokenizer, texts, eos, 12, 1.5, 1.0)[0] != greedy
+    model.generation_config.top_k = 1
+    torch.manual_seed(0)
+    assert _generate(model, tokenizer, texts, eos, 12, 1.5, 1.0)[0] == greedy
+
+
 def test_synthesized_prompts_are_filtered(tmp_path, tiny_chat_target, monkeypatch):
     _, model, tokenizer = tiny_chat_target
     import transformers_poss.training.distill as distill

@@ -145,17 +145,18 @@ def _normalized(text: str) -> str:
     return re.sub(r"\W+", " ", text.lower()).strip()
 
 
-SAMPLING_TOP_K = 50  # transformers' default top-k for sampling, which the data has always been sampled with
+SAMPLING_TOP_K = 50  # transformers' default top-k for sampling, used where the target's generation config sets none
 
 
 class SampleAmongCandidates(LogitsProcessor):
     """Draws the next token inside the logits processor, from the ``top_k`` candidates only: the distribution of
     transformers' temperature -> top-k -> top-p sampling, without sorting the whole vocabulary for top-p or drawing
     over it (about a third of a batch-96 decode step of the 49k-vocabulary SmolLM2 target on a CPU). Returns logits
-    that are 0 at the drawn token and ``-inf`` elsewhere, for a greedy ``generate`` to pick."""
+    that are 0 at the drawn token and ``-inf`` elsewhere, for a greedy ``generate`` to pick. ``top_k=0``: the whole
+    vocabulary, as in transformers."""
 
     def __init__(self, temperature: float, top_p: float, top_k: int = SAMPLING_TOP_K):
-        self.warping = DraftWarping(temperature, top_k, top_p)
+        self.warping = DraftWarping(temperature, top_k if top_k else 2**62, top_p)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         logprobs, ids = self.warping.candidates(scores)  # [B, k] each
@@ -177,7 +178,9 @@ def _generate(target, tokenizer, texts, stop_ids, max_new_tokens, temperature, t
     stops = set(stop_ids)
     sampling = dict(do_sample=False)
     if temperature > 0:
-        sampling["logits_processor"] = LogitsProcessorList([SampleAmongCandidates(temperature, top_p)])
+        top_k = getattr(target.generation_config, "top_k", None)
+        top_k = SAMPLING_TOP_K if top_k is None else top_k
+        sampling["logits_processor"] = LogitsProcessorList([SampleAmongCandidates(temperature, top_p, top_k)])
     new: list[list[int]] = [[] for _ in texts]
     finished = [False] * len(texts)
     active = list(range(len(texts)))
