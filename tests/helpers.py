@@ -1,4 +1,7 @@
-"""Tiny random models shared by the tests."""
+"""Tiny random models shared by the tests, and the example scripts loaded as modules."""
+
+import importlib.util
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -101,3 +104,12 @@ def selected_features(target, ids, layers):
     with torch.no_grad():
         states = target(ids, output_hidden_states=True).hidden_states
     return torch.cat([states[i] for i in (layers or [-1])], dim=-1)
+
+
+def example_module(name):
+    """``examples/smollm2_drafts/NAME.py`` loaded as a module (the examples are scripts, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "smollm2_drafts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -15,6 +15,7 @@ from transformers_poss.cli.vocab import corpus_texts
 from transformers_poss.textfiles import read_lines
 from transformers_poss.training.data import load_conversations
 from transformers_poss.training.distill import read_jsonl
+from helpers import example_module
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "smollm2-135m-instruct"
 
@@ -122,12 +123,7 @@ def test_a_config_number_written_as_a_string_is_named(tmp_path, key, value):
 def test_split_data_holds_out_only_unseen_conversations_and_keeps_a_users_file(tmp_path):
     """`examples/smollm2_drafts/split_data.py`: held-out conversations come from after ``--seen``, train + held-out
     is the whole file, a second run with the same settings changes nothing, and a different file is never overwritten."""
-    import importlib.util
-
-    path = DATA.parents[1] / "examples" / "smollm2_drafts" / "split_data.py"
-    spec = importlib.util.spec_from_file_location("split_data", path)
-    split = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(split)
+    split = example_module("split_data")
     with gzip.open(DATA / "conversations.jsonl.gz", "rt", encoding="utf-8") as handle:
         lines = [line for line in handle if line.strip()]
     seen = len(lines) - 50
@@ -157,12 +153,7 @@ def test_split_data_holds_out_only_unseen_conversations_and_keeps_a_users_file(t
 def test_split_data_trains_on_the_two_turn_form_of_followed_up_conversations(tmp_path):
     """A conversation continued with a follow-up turn is trained on in its two-turn form (in place of the one-turn
     one, never both); held-out conversations stay one-turn and no follow-up of theirs reaches the training file."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("split_data", DATA.parents[1] / "examples" / "smollm2_drafts" /
-                                                  "split_data.py")
-    split = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(split)
+    split = example_module("split_data")
     data = tmp_path / "data"
     data.mkdir()
 

@@ -98,8 +98,8 @@ def main(argv=None) -> int:
                         help="answers that stopped leave their batch every this many new tokens, the others go on "
                              "(0: the whole batch runs until its longest answer ends)")
     parser.add_argument("--prompt-segment-tokens", type=int, default=32,
-                        help="prompts that stopped leave their batch every this many tokens (0: never; 32 wrote 15%% more "
-                             "prompts per minute than 0 at batch 96)")
+                        help="prompts that stopped leave their batch every this many tokens (0: never; 32 wrote "
+                             "about 20%% more prompts per minute than 0 at batch 96)")
     parser.add_argument("--minutes", type=float, default=60.0, help="stop after about this long")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--precision", choices=("auto", "bfloat16", "int8", "float32"), default="auto",

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from helpers import tiny_llama
+from helpers import example_module, tiny_llama
 from transformers_poss.cli import main
 from transformers_poss.training.config import parse_train_args
 from transformers_poss.training.distill import is_degenerate, regenerate, synthesize_prompts, user_prefix
@@ -457,13 +457,8 @@ def test_make_data_followups_are_resumable_and_spread(tmp_path, tiny_chat_target
     assert [r["source"] for r in asked] != list(range(5))  # spread, not the first five
     answered = make_data.read_jsonl(tmp_path / "followups.jsonl")
     assert sorted(r["id"] for r in answered) == list(range(5))
-    from pathlib import Path
-
-    split_path = Path(__file__).resolve().parents[2] / "examples" / "smollm2_drafts" / "split_data.py"
-    spec = importlib.util.spec_from_file_location("split_data", split_path)
-    split = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(split)
-    longer = {source: json.loads(line) for source, line in split.followup_lines(tmp_path).items()}
+    lines = example_module("split_data").followup_lines(tmp_path)
+    longer = {source: json.loads(line) for source, line in lines.items()}
     assert sorted(longer) == sorted(r["source"] for r in asked)
     for source, record in longer.items():
         assert record["messages"][:2] == records[source]["messages"]
@@ -478,13 +473,7 @@ def test_make_data_followups_are_resumable_and_spread(tmp_path, tiny_chat_target
 
 
 def _make_data_module():
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "examples" / "smollm2_drafts" / "make_data.py"
-    spec = importlib.util.spec_from_file_location("make_data", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return example_module("make_data")
 
 
 @pytest.mark.parametrize("share, expected", [(0.0, 0), (0.5, 6), (0.25, 3), (1.0, 12)])
