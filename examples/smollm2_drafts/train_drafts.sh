@@ -28,6 +28,16 @@
 #                     epochs); the continued EAGLE-2 draft then trains 6 x the steps the first of them chose
 # Other settings: RUNS (run folders, outside the work tree), MAX_CONVERSATIONS (a prefix of the data), LR, FC_LR_SCALE,
 # THREADS (torch threads per training process; the kinds train side by side).
+# Training on the whole data set with a held-out split no shipped draft saw (split_data.py), stage 1 included:
+#   SPLIT=FOLDER          train on FOLDER/train.jsonl.gz (follow-up turns included), measure on FOLDER/heldout.jsonl.gz
+#                         (written by split_data.py on the first call); features go to RUNS/smollm2-features-split
+#   STAGE1_FROM=DRAFT     stage 1 continues DRAFT (e.g. the shipped EAGLE-2 draft) instead of starting from random
+#                         weights: STAGE1_EPOCHS (default 2; 8 from random) at STAGE1_LR (default 5e-4; 1e-3 from random)
+#   FEATURES_AUTOCAST=1   target features under bf16 autocast (about 1.7x faster on CPUs with bf16 units; see
+#                         docs/training.md); every run of the call reads them
+#   SPLIT=~/.cache/transformers-poss/runs/split STAGE1_FROM=drafts/eagle2-smollm2-135m-instruct FEATURES_AUTOCAST=1 \
+#     BASE=~/.cache/transformers-poss/runs/smollm2-eagle2-full bash examples/smollm2_drafts/train_drafts.sh \
+#     --train-only poss2 poss3 eagle2c
 set -euo pipefail
 MODE=all
 case "${1:-}" in --train-only) MODE=train; shift ;; --bench-only) MODE=bench; shift ;; esac
@@ -70,7 +80,14 @@ recipe_of() { case "$1" in poss2e3|poss2e3pn) echo examples/smollm2_drafts/recip
 if [ $# -gt 0 ]; then KINDS=("$@"); else KINDS=(eagle2c hass poss2); fi
 for kind in "${KINDS[@]}"; do [ -n "${SHAPE[$kind]:-}" ] || { echo "unknown kind $kind (${!SHAPE[*]})"; exit 2; }; done
 LIMIT=(); [ -n "$MAX_CONVERSATIONS" ] && LIMIT=(--max_conversations "$MAX_CONVERSATIONS")
-COMMON=(--config "$RECIPE" --features_dir "$RUNS/smollm2-features" "${LIMIT[@]}")
+SPLIT=${SPLIT:-}; STAGE1_FROM=${STAGE1_FROM:-}; FEATURES_AUTOCAST=${FEATURES_AUTOCAST:-}
+FEATURES="$RUNS/smollm2-features"
+if [ -n "$SPLIT" ]; then
+  python examples/smollm2_drafts/split_data.py --out "$SPLIT"   # leaves an existing split as it is
+  LIMIT+=(--train "$SPLIT/train.jsonl.gz" --eval "$SPLIT/heldout.jsonl.gz"); FEATURES="$RUNS/smollm2-features-split"
+fi
+[ -n "$FEATURES_AUTOCAST" ] && LIMIT+=(--features_autocast true)
+COMMON=(--config "$RECIPE" --features_dir "$FEATURES" "${LIMIT[@]}")
 mkdir -p "$RUNS/logs"
 want_e2=""; want_e3=""; SHOWN=("${KINDS[@]}")   # SHOWN: the kinds evaluated and benchmarked
 for kind in "${KINDS[@]}"; do if is_e3 "$kind"; then want_e3=1; else want_e2=1; fi; done
@@ -80,9 +97,15 @@ fi
 
 if [ "$MODE" != bench ]; then
   if [ ! -f "$BASE/config.json" ]; then
-    echo "== stage 1: EAGLE-2 from random weights -> $BASE"
+    if [ -n "$STAGE1_FROM" ]; then
+      start=(--init_from "$STAGE1_FROM" --learning_rate "${STAGE1_LR:-5e-4}" --num_train_epochs "${STAGE1_EPOCHS:-2}")
+    else
+      start=(--init_from None --learning_rate "${STAGE1_LR:-1e-3}" --num_train_epochs "${STAGE1_EPOCHS:-8}")
+    fi
+    echo "== stage 1: EAGLE-2 from ${STAGE1_FROM:-random weights}, ${start[*]:2} -> $BASE"
     poss train "${COMMON[@]}" --output_dir "$RUNS/smollm2-eagle2" --num_specialists 1 --positions_per_specialist 1 \
-      --init_from None --learning_rate 1e-3 --warmup_steps 50 --fc_learning_rate_scale 1 --num_train_epochs 8
+      "${start[@]}" --warmup_steps 50 --fc_learning_rate_scale 1 >"$RUNS/logs/eagle2.log" 2>&1 \
+      || { echo "!! stage 1 failed:"; tail -20 "$RUNS/logs/eagle2.log"; exit 1; }
     mkdir -p "$BASE" && cp "$RUNS/smollm2-eagle2/final/"* "$BASE/"
   fi
   if [ -n "$want_e2" ]; then
@@ -128,7 +151,7 @@ if [ "$MODE" != bench ]; then
         fi
         fc=1.0   # a one-step draft has no later steps pulling on fc
       fi
-      from=$BASE; features="$RUNS/smollm2-features"; extra=()
+      from=$BASE; features=$FEATURES; extra=()
       if is_e3 "$kind"; then
         features=$E3_FEATURES
         if after_e3 "$kind"; then
@@ -155,8 +178,8 @@ if [ "$MODE" != bench ]; then
   done
   echo "== held-out accuracy by position"
   LABELS=(); HELDOUT=()
-  if [ -f "$RUNS/smollm2-features/eval/features.json" ]; then   # the single-feature drafts and the eagle2 baseline
-    LABELS+=("eagle2=$BASE"); HELDOUT+=(--features "$RUNS/smollm2-features/eval")
+  if [ -f "$FEATURES/eval/features.json" ]; then   # the single-feature drafts and the eagle2 baseline
+    LABELS+=("eagle2=$BASE"); HELDOUT+=(--features "$FEATURES/eval")
   fi
   [ -n "$want_e3" ] && HELDOUT+=(--features "$E3_FEATURES/eval")   # the same held-out conversations, three layers
   for kind in "${SHOWN[@]}"; do LABELS+=("$kind=$RUNS/smollm2-$kind/final"); done
