@@ -27,12 +27,13 @@
 #   BUDGET_MINUTES=M  six-step drafts size their schedule to M minutes (train_budget_minutes, at most EPOCHS
 #                     epochs); the continued EAGLE-2 draft then trains 6 x the steps the first of them chose
 # Other settings: RUNS (run folders, outside the work tree), MAX_CONVERSATIONS (a prefix of the data), LR, FC_LR_SCALE,
-# THREADS (torch threads per training process; the kinds train side by side).
+# THREADS (torch threads per training process; the kinds train side by side), PROMPTS and MAX_NEW_TOKENS (the bench).
 # Training on the whole data set with a held-out split no shipped draft saw (split_data.py), stage 1 included:
 #   SPLIT=FOLDER          train on FOLDER/train.jsonl.gz (follow-up turns included), measure on FOLDER/heldout.jsonl.gz
 #                         (written by split_data.py on the first call); features go to RUNS/smollm2-features-split
 #   STAGE1_FROM=DRAFT     stage 1 continues DRAFT (e.g. the shipped EAGLE-2 draft) instead of starting from random
-#                         weights: STAGE1_EPOCHS (default 2; 8 from random) at STAGE1_LR (default 5e-4; 1e-3 from random)
+#                         weights: STAGE1_EPOCHS (default 2; 8 from random) at STAGE1_LR (default 5e-4; 1e-3 from random);
+#                         the held-out table and the bench then show DRAFT too, as eagle2-start
 #   FEATURES_AUTOCAST=1   target features under bf16 autocast (about 1.7x faster on CPUs with bf16 units; see
 #                         docs/training.md); every run of the call reads them
 #   SPLIT=~/.cache/transformers-poss/runs/split STAGE1_FROM=drafts/eagle2-smollm2-135m-instruct FEATURES_AUTOCAST=1 \
@@ -54,7 +55,8 @@ MAX_CONVERSATIONS=${MAX_CONVERSATIONS:-}   # empty: all of the data
 LR=${LR:-1.0e-4}
 FC_LR_SCALE=${FC_LR_SCALE:-0.1}
 THREADS=${THREADS:-1}
-PROMPTS=${PROMPTS:-24}
+PROMPTS=${PROMPTS:-24}   # MT-Bench questions in the benchmark (80: all of them)
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-96}
 declare -A SHAPE=(
   [eagle2]="1 1"    # one layer, one step, from random weights (stage 1; skipped when BASE exists)
   [eagle2c]="1 1"   # the EAGLE-2 draft continued for the same compute as the others
@@ -180,6 +182,7 @@ if [ "$MODE" != bench ]; then
   LABELS=(); HELDOUT=()
   if [ -f "$FEATURES/eval/features.json" ]; then   # the single-feature drafts and the eagle2 baseline
     LABELS+=("eagle2=$BASE"); HELDOUT+=(--features "$FEATURES/eval")
+    [ -n "$STAGE1_FROM" ] && LABELS=("eagle2-start=$STAGE1_FROM" "${LABELS[@]}")   # stage 1 before and after
   fi
   [ -n "$want_e3" ] && HELDOUT+=(--features "$E3_FEATURES/eval")   # the same held-out conversations, three layers
   for kind in "${SHOWN[@]}"; do LABELS+=("$kind=$RUNS/smollm2-$kind/final"); done
@@ -189,8 +192,9 @@ fi
 [ "$MODE" = train ] && exit 0
 # one greedy run on MT-Bench, int8: every draft with the fixed 16-node tree (depth 6, top-k 4) and with its automatic
 # budget (at most 16 nodes), each output checked against plain decoding of the same int8 target
-DRAFTS=(--draft "eagle2=$BASE"); for kind in "${SHOWN[@]}"; do DRAFTS+=(--draft "$kind=$RUNS/smollm2-$kind/final"); done
+DRAFTS=(--draft "eagle2=$BASE"); [ -n "$STAGE1_FROM" ] && DRAFTS=(--draft "eagle2-start=$STAGE1_FROM" "${DRAFTS[@]}")
+for kind in "${SHOWN[@]}"; do DRAFTS+=(--draft "$kind=$RUNS/smollm2-$kind/final"); done
 poss bench --target smollm2-135m-instruct "${DRAFTS[@]}" --quantize int8 \
-  --questions ../shared/data/mt_bench.jsonl --num-prompts "$PROMPTS" --max-new-tokens 96 \
+  --questions ../shared/data/mt_bench.jsonl --num-prompts "$PROMPTS" --max-new-tokens "$MAX_NEW_TOKENS" \
   --sweep --sweep-depths 6 --sweep-total-tokens 16,auto --no-sweep-chains --tree-top-k 4 \
   --output "$RUNS/smollm2-bench.json"
