@@ -98,17 +98,21 @@ if [ -n "$want_e3" ] && [[ " ${KINDS[*]} " != *" eagle3 "* ]] && [ -f "$E3_FINAL
 fi
 
 if [ "$MODE" != bench ]; then
+  if [ -n "$STAGE1_FROM" ] && [ -f "$BASE/config.json" ] && [ ! -f "$RUNS/smollm2-eagle2-continued/final/config.json" ]; then
+    echo "!! STAGE1_FROM writes stage 1 into BASE, and $BASE already holds a draft: set BASE to a new folder"; exit 2
+  fi
   if [ ! -f "$BASE/config.json" ]; then
+    STAGE1_RUN="$RUNS/smollm2-eagle2${STAGE1_FROM:+-continued}"   # a continued run never resumes a from-scratch one
     if [ -n "$STAGE1_FROM" ]; then
       start=(--init_from "$STAGE1_FROM" --learning_rate "${STAGE1_LR:-5e-4}" --num_train_epochs "${STAGE1_EPOCHS:-2}")
     else
       start=(--init_from None --learning_rate "${STAGE1_LR:-1e-3}" --num_train_epochs "${STAGE1_EPOCHS:-8}")
     fi
     echo "== stage 1: EAGLE-2 from ${STAGE1_FROM:-random weights}, ${start[*]:2} -> $BASE"
-    poss train "${COMMON[@]}" --output_dir "$RUNS/smollm2-eagle2" --num_specialists 1 --positions_per_specialist 1 \
+    poss train "${COMMON[@]}" --output_dir "$STAGE1_RUN" --num_specialists 1 --positions_per_specialist 1 \
       "${start[@]}" --warmup_steps 50 --fc_learning_rate_scale 1 >"$RUNS/logs/eagle2.log" 2>&1 \
       || { echo "!! stage 1 failed:"; tail -20 "$RUNS/logs/eagle2.log"; exit 1; }
-    mkdir -p "$BASE" && cp "$RUNS/smollm2-eagle2/final/"* "$BASE/"
+    mkdir -p "$BASE" && cp "$STAGE1_RUN/final/"* "$BASE/"
   fi
   if [ -n "$want_e2" ]; then
     echo "== features (computed once, shared by every single-feature draft)"

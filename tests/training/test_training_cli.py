@@ -435,7 +435,7 @@ def test_make_data_followups_are_resumable_and_spread(tmp_path, tiny_chat_target
     import time
 
     _, model, tokenizer = tiny_chat_target
-    make_data = _make_data_module()
+    make_data = example_module("make_data")
     monkeypatch.setattr(make_data, "DATA", tmp_path)
     records = [{"id": i, "messages": c["messages"]} for i, c in enumerate(_conversations(12))]
     with gzip.open(tmp_path / "conversations.jsonl.gz", "wt", encoding="utf-8") as handle:
@@ -472,13 +472,9 @@ def test_make_data_followups_are_resumable_and_spread(tmp_path, tiny_chat_target
     assert (tmp_path / "followups.jsonl.gz").exists()
 
 
-def _make_data_module():
-    return example_module("make_data")
-
-
 @pytest.mark.parametrize("share, expected", [(0.0, 0), (0.5, 6), (0.25, 3), (1.0, 12)])
 def test_make_data_samples_an_even_share_of_chunks(share, expected):
-    make_data = _make_data_module()
+    make_data = example_module("make_data")
     pattern = [make_data.sampled_chunk(i, share) for i in range(12)]
     assert sum(pattern) == expected
     if share == 0.5:
@@ -486,14 +482,14 @@ def test_make_data_samples_an_even_share_of_chunks(share, expected):
 
 
 def test_make_data_refuses_a_bad_share(capsys):
-    make_data = _make_data_module()
+    make_data = example_module("make_data")
     with pytest.raises(SystemExit):
         make_data.main(["--sampled-share", "1.5"])
     assert "--sampled-share must be between 0 and 1, got 1.5" in capsys.readouterr().err
 
 
 def test_make_data_refuses_a_negative_segment(capsys):
-    make_data = _make_data_module()
+    make_data = example_module("make_data")
     with pytest.raises(SystemExit):
         make_data.main(["--segment-tokens", "-1"])
     assert "--segment-tokens" in capsys.readouterr().err
