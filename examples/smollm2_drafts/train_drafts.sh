@@ -98,11 +98,11 @@ if [ -n "$want_e3" ] && [[ " ${KINDS[*]} " != *" eagle3 "* ]] && [ -f "$E3_FINAL
 fi
 
 if [ "$MODE" != bench ]; then
-  if [ -n "$STAGE1_FROM" ] && [ -f "$BASE/config.json" ] && [ ! -f "$RUNS/smollm2-eagle2-continued/final/config.json" ]; then
+  STAGE1_RUN="$RUNS/smollm2-eagle2${STAGE1_FROM:+-continued}"   # a continued run never resumes a from-scratch one
+  if [ -n "$STAGE1_FROM" ] && [ -f "$BASE/config.json" ] && [ ! -f "$STAGE1_RUN/final/config.json" ]; then
     echo "!! STAGE1_FROM writes stage 1 into BASE, and $BASE already holds a draft: set BASE to a new folder"; exit 2
   fi
   if [ ! -f "$BASE/config.json" ]; then
-    STAGE1_RUN="$RUNS/smollm2-eagle2${STAGE1_FROM:+-continued}"   # a continued run never resumes a from-scratch one
     if [ -n "$STAGE1_FROM" ]; then
       start=(--init_from "$STAGE1_FROM" --learning_rate "${STAGE1_LR:-5e-4}" --num_train_epochs "${STAGE1_EPOCHS:-2}")
     else
