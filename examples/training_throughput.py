@@ -82,20 +82,19 @@ def main():
     dataset = ConversationDataset(load_conversations(args.conversations), tokenizer, args.max_length)
     print(f"{len(dataset)} sequences, {dataset.num_tokens} tokens")
     collate = PosSDataCollator(tokenizer.pad_token_id)
-    with tempfile.TemporaryDirectory() as folder:
+    def feature_rate(folder, autocast=False):
         start = time.perf_counter()
-        write_feature_shards(target, dataset, folder, batch_size=args.batch_size, progress=False)
-        seconds = time.perf_counter() - start
+        write_feature_shards(target, dataset, folder, batch_size=args.batch_size, progress=False, autocast=autocast)
+        return dataset.num_tokens / (time.perf_counter() - start)
+
+    with tempfile.TemporaryDirectory() as folder:
+        rate = feature_rate(folder)
         size = sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
-        print(f"offline features: {dataset.num_tokens / seconds:.0f} positions/s, "
+        print(f"offline features: {rate:.0f} positions/s, "
               f"{size / dataset.num_tokens * 1000 / 1e6:.2f} MB per 1k tokens (bf16)")
         if True in modes:  # the target's pass under bf16 autocast (`features_autocast: true`), into its own folder
             with tempfile.TemporaryDirectory() as autocast_folder:
-                start = time.perf_counter()
-                write_feature_shards(target, dataset, autocast_folder, batch_size=args.batch_size, progress=False,
-                                     autocast=True)
-                seconds = time.perf_counter() - start
-            print(f"offline features, bf16 autocast: {dataset.num_tokens / seconds:.0f} positions/s")
+                print(f"offline features, bf16 autocast: {feature_rate(autocast_folder, autocast=True):.0f} positions/s")
         stored = FeatureShardDataset(folder)
         offline = [collate([stored[i] for i in range(b, min(len(stored), b + args.batch_size))])
                    for b in range(0, len(stored), args.batch_size)]
