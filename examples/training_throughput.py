@@ -94,7 +94,8 @@ def main():
               f"{size / dataset.num_tokens * 1000 / 1e6:.2f} MB per 1k tokens (bf16)")
         if True in modes:  # the target's pass under bf16 autocast (`features_autocast: true`), into its own folder
             with tempfile.TemporaryDirectory() as autocast_folder:
-                print(f"offline features, bf16 autocast: {feature_rate(autocast_folder, autocast=True):.0f} positions/s")
+                rate = feature_rate(autocast_folder, autocast=True)
+            print(f"offline features, bf16 autocast: {rate:.0f} positions/s")
         stored = FeatureShardDataset(folder)
         offline = [collate([stored[i] for i in range(b, min(len(stored), b + args.batch_size))])
                    for b in range(0, len(stored), args.batch_size)]
