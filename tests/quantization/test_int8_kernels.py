@@ -205,3 +205,19 @@ def test_kernel_timing_interleaves_the_kernels(monkeypatch):
     monkeypatch.setattr(kernels.time, "perf_counter", lambda: now[0])
     assert kernels._time_kernels(state, 4, ("int_mm", "fbgemm8"), repeats=3) == "fbgemm8"
     assert calls[2:] == ["int_mm", "fbgemm8"] * 3  # after one warm-up call each, alternating rounds
+
+
+def test_timing_leaves_only_the_packed_copies_a_chosen_kernel_reads(monkeypatch):
+    """Choosing times every kernel on one weight of each shape, which packs it for each; the copies no choice reads
+    are dropped (each is as large as the weight)."""
+    monkeypatch.setattr(kernels, "_choices", {})
+    monkeypatch.setattr(kernels, "candidate_kernels", lambda: ("int_mm", "onednn", "fbgemm8"))
+    monkeypatch.setattr(kernels, "_time_kernels", lambda state, bucket, names, repeats=7: (
+        state.packed(), state.onednn(), "onednn" if bucket >= 16 else "int_mm")[-1])
+    if not (kernels.onednn_available() and kernels.fbgemm_available()):
+        pytest.skip("this torch build lacks oneDNN's or fbgemm's int8 GEMM")
+    target = quantize_int8(tiny_llama_target())
+    states = [m.__dict__["_fused"].state if "_fused" in m.__dict__ else m.__dict__.get("_kernel")
+              for m in target.modules() if isinstance(m, Int8Linear)]
+    timed = [s for s in states if s is not None and (s._packed is not None or s._onednn is not None)]
+    assert timed and all(s._packed is None and s._onednn is not None for s in timed)

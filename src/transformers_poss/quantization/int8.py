@@ -7,7 +7,7 @@ integer matrix multiply. A token's output therefore depends only on that token, 
 forward: verifying a tree of n tokens gives each token the same linear outputs as decoding it alone.
 
 The integer product runs on the fastest exact kernel for each matrix shape and number of rows (``torch._int_mm``,
-fbgemm's 8-bit or 7-bit GEMM: see `int8_kernels`), timed on this machine once per process and shape when a model is
+oneDNN's packed GEMM, fbgemm's 8-bit or 7-bit GEMM: see `int8_kernels`), timed on this machine once per process and shape when a model is
 quantized; every kernel gives the same int32 product, so the choice never changes a bit. Sibling projections that read the same input (q/k/v,
 gate/up) share one quantization and one product ([`FusedProjections`]), with outputs bit-identical to computing them
 one by one. The per-channel and per-token scales are applied in the same order on every kernel.
@@ -50,7 +50,7 @@ from .int8_kernels import (
 logger = logging.getLogger(__name__)
 
 QUANTIZE_CHOICES = ("none", "int8")
-KERNEL_VERSION = 3  # part of the cost-profile key: bump when the int8 forward's cost changes
+KERNEL_VERSION = 4  # part of the cost-profile key: bump when the int8 forward's cost changes
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"))
 
 __all__ = ["ACTIVATION_LEVELS", "Int8Linear", "QuantizedRows", "fbgemm_available", "quantize_int8"]
@@ -273,8 +273,7 @@ def choose_kernels(model: nn.Module) -> None:
             state = fused.state if fused is not None and fused.is_current() else module._kernel_state()
             states.setdefault(tuple(state.weight_int8_t.shape), state)
     for state in states.values():
-        for bucket in ROW_BUCKETS:
-            choose_kernel(state, bucket)
+        state.keep_only({choose_kernel(state, bucket) for bucket in ROW_BUCKETS})  # the timing packed every kernel
 
 
 def linear_weight(module: nn.Module) -> torch.Tensor:
