@@ -211,7 +211,7 @@ def test_timing_leaves_only_the_packed_copies_a_chosen_kernel_reads(monkeypatch)
     """Choosing times every kernel on one weight of each shape, which packs it for each; the copies no choice reads
     are dropped (each is as large as the weight)."""
     monkeypatch.setattr(kernels, "_choices", {})
-    monkeypatch.setattr(kernels, "candidate_kernels", lambda: ("int_mm", "onednn", "fbgemm8"))
+    monkeypatch.setattr(kernels, "candidate_kernels", lambda rows=64: ("int_mm", "onednn", "fbgemm8"))
     monkeypatch.setattr(kernels, "_time_kernels", lambda state, bucket, names, repeats=7: (
         state.packed(), state.onednn(), "onednn" if bucket >= 16 else "int_mm")[-1])
     if not (kernels.onednn_available() and kernels.fbgemm_available()):
@@ -221,3 +221,12 @@ def test_timing_leaves_only_the_packed_copies_a_chosen_kernel_reads(monkeypatch)
               for m in target.modules() if isinstance(m, Int8Linear)]
     timed = [s for s in states if s is not None and (s._packed is not None or s._onednn is not None)]
     assert timed and all(s._packed is None and s._onednn is not None for s in timed)
+
+
+def test_onednn_is_not_timed_for_single_rows(monkeypatch):
+    """Timed alone oneDNN wins single-row products of wide matrices, yet a decode step measured slower with it."""
+    monkeypatch.setattr(kernels, "available_kernels", lambda: ("int_mm", "onednn", "fbgemm8", "fbgemm"))
+    assert kernels.candidate_kernels(1) == ("int_mm", "fbgemm8")
+    assert kernels.candidate_kernels(16) == ("int_mm", "onednn", "fbgemm8")
+    monkeypatch.setattr(kernels, "available_kernels", lambda: ("onednn",))
+    assert kernels.candidate_kernels(1) == ("onednn",)

@@ -267,20 +267,27 @@ def choose_kernel(state: KernelState, num_rows: int) -> str:
     choice = _choices.get(key)
     if choice is None:
         with _choice_lock:
-            kernels = candidate_kernels()
+            kernels = candidate_kernels(bucket)
             choice = kernels[0] if len(kernels) == 1 else _time_kernels(state, bucket, kernels)
             _choices[key] = choice
             logger.debug("int8 kernel for [%d x %d], %d rows: %s", in_features, out_features, bucket, choice)
     return choice
 
 
-def candidate_kernels() -> tuple[str, ...]:
-    """The kernels worth timing: the available ones, less the 7-bit ``fbgemm`` where the 8-bit one is exact (the
-    same GEMM on half the rows, without the split: never slower, and timing both let noise pick the slower now
-    and then)."""
+def candidate_kernels(num_rows: int = ROW_BUCKETS[-1]) -> tuple[str, ...]:
+    """The kernels worth timing for ``num_rows`` rows: the available ones, less
+
+    - the 7-bit ``fbgemm`` where the 8-bit one is exact (the same GEMM on half the rows, without the split: never
+      slower, and timing both let noise pick the slower now and then);
+    - ``onednn`` for a single row where another kernel is exact: timed alone it wins for wide matrices, but inside
+      a decode step it measured slower (SmolLM2 int8, 2-core Xeon with AMX: 37.9 against 35.6 ms a step with it
+      left out at one row, medians of 4 alternating processes x 60 steps), so the timing in isolation misleads there.
+    """
     kernels = available_kernels()
     if "fbgemm8" in kernels and len(kernels) > 1:
         kernels = tuple(k for k in kernels if k != "fbgemm")
+    if num_rows == 1 and len(kernels) > 1:
+        kernels = tuple(k for k in kernels if k != "onednn")
     return kernels
 
 
