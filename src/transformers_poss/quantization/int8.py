@@ -7,10 +7,10 @@ integer matrix multiply. A token's output therefore depends only on that token, 
 forward: verifying a tree of n tokens gives each token the same linear outputs as decoding it alone.
 
 The integer product runs on the fastest exact kernel for each matrix shape and number of rows (``torch._int_mm``,
-oneDNN's packed GEMM, fbgemm's 8-bit or 7-bit GEMM: see `int8_kernels`), timed on this machine once per process and shape when a model is
-quantized; every kernel gives the same int32 product, so the choice never changes a bit. Sibling projections that read the same input (q/k/v,
-gate/up) share one quantization and one product ([`FusedProjections`]), with outputs bit-identical to computing them
-one by one. The per-channel and per-token scales are applied in the same order on every kernel.
+oneDNN's packed GEMM, fbgemm's 8-bit or 7-bit GEMM: see `int8_kernels`), timed on this machine once per process and
+shape when a model is quantized; every kernel gives the same int32 product, so the choice never changes a bit.
+Sibling projections that read the same input (q/k/v, gate/up) share one quantization and one product
+([`FusedProjections`]), with outputs bit-identical to computing them one by one. The per-channel and per-token scales are applied in the same order on every kernel.
 
 A model quantized here is refused by ``save_pretrained`` (its int8 weights would not load back): save the float
 model, load it, and quantize again.
