@@ -69,6 +69,21 @@ def test_fused_projections_equal_their_members_and_follow_weight_changes():
     assert torch.equal(attention.q_proj(y), Int8Linear.from_linear(reference.model.layers[0].self_attn.q_proj)(y))
 
 
+def test_a_member_whose_buffer_was_replaced_runs_alone_and_its_siblings_stay_fused():
+    target = tiny_llama_target()
+    reference = copy.deepcopy(target).model.layers[0].self_attn
+    quantize_int8(target)
+    attention = target.model.layers[0].self_attn
+    x = torch.randn(1, 4, attention.q_proj.in_features)
+    fused = attention.q_proj.__dict__["_fused"]
+    attention.v_proj.weight_scale = attention.v_proj.weight_scale * 2  # a new tensor, not a view of the whole
+    assert fused.serves(attention.q_proj) and not fused.serves(attention.v_proj)
+    q, k, v = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+    assert torch.equal(q, Int8Linear.from_linear(reference.q_proj)(x))
+    assert torch.equal(k, Int8Linear.from_linear(reference.k_proj)(x))
+    assert torch.allclose(v, 2 * Int8Linear.from_linear(reference.v_proj)(x), rtol=1e-6)
+
+
 def test_int8_model_runs_under_inference_mode():
     target = quantize_int8(tiny_llama_target())
     ids = torch.randint(3, 90, (1, 9))

@@ -130,7 +130,7 @@ class Int8Linear(nn.Module):
         """`[..., in]` -> `[..., out]` in the input's dtype; rows never influence each other (unless ``per_token`` is
         False: then one fbgemm call quantizes all rows with one scale, fewer operators for a draft's small steps)."""
         fused = self.__dict__.get("_fused")
-        if fused is not None and fused.is_current():
+        if fused is not None and fused.serves(self):
             out = fused.output(self, hidden)
         elif self.dynamic():
             out = dynamic_product(hidden, self.in_features, self._dynamic_packed())
@@ -208,6 +208,7 @@ class FusedProjections:
             member.__dict__["_fused"] = self
             start = stop
         self.views = [(m.weight_int8_t, m.weight_scale, m.bias) for m in members]
+        self._views_of = {id(m): view for m, view in zip(members, self.views)}
         self.weight, self.weight_scale, self.bias = weight, scale, bias
         self.state, self.version = KernelState(weight), self._versions()
         self._dynamic = None  # fbgemm's packed whole, built when the members run with ``per_token=False``
@@ -220,6 +221,13 @@ class FusedProjections:
         """False once a member's buffers were replaced (``.to()``, ``load_state_dict``): members then run alone."""
         return all(m.weight_int8_t is w and m.weight_scale is c and m.bias is b
                    for m, (w, c, b) in zip(self.members, self.views))
+
+    def serves(self, member: Int8Linear) -> bool:
+        """Whether ``member``'s buffers are still its views of the whole (its slice of the fused product is its own
+        output); False once they were replaced, and the member then runs alone. Checked at every call."""
+        weight, scale, bias = self._views_of[id(member)]
+        buffers = member._buffers
+        return buffers["weight_int8_t"] is weight and buffers["weight_scale"] is scale and buffers.get("bias") is bias
 
     def output(self, member: Int8Linear, hidden: torch.Tensor) -> torch.Tensor:
         """``member``'s `[M, out]` float output for `[..., in]` ``hidden``."""

@@ -226,6 +226,7 @@ class KernelState:
         self.weight_int8_t = weight_int8_t
         self._packed = None
         self._onednn = None
+        self.chosen: tuple[dict, dict[int, str]] = (None, {})  # (process-wide choices, {rows: kernel}) of `choose_kernel`
 
     def packed(self):
         if self._packed is None:
@@ -260,7 +261,15 @@ _choice_lock = threading.Lock()
 
 
 def choose_kernel(state: KernelState, num_rows: int) -> str:
-    """The faster exact kernel for this weight's shape and ``num_rows`` (its row bucket), timed once per process."""
+    """The faster exact kernel for this weight's shape and ``num_rows`` (its row bucket), timed once per process
+    (and remembered by ``state`` per number of rows, while the process-wide choices are the same ones)."""
+    remembered = state.chosen
+    if remembered[0] is _choices:
+        choice = remembered[1].get(num_rows)
+        if choice is not None:
+            return choice
+    else:
+        state.chosen = remembered = (_choices, {})
     in_features, out_features = state.weight_int8_t.shape
     bucket = next((b for b in ROW_BUCKETS if num_rows <= b), ROW_BUCKETS[-1])
     key = (in_features, out_features, bucket)
@@ -271,6 +280,7 @@ def choose_kernel(state: KernelState, num_rows: int) -> str:
             choice = kernels[0] if len(kernels) == 1 else _time_kernels(state, bucket, kernels)
             _choices[key] = choice
             logger.debug("int8 kernel for [%d x %d], %d rows: %s", in_features, out_features, bucket, choice)
+    remembered[1][num_rows] = choice
     return choice
 
 
