@@ -60,16 +60,17 @@ def exact_attention_forward(module, query, key, value, attention_mask, scaling=N
 def _attend(query, keys_t, values, bias, scale: float) -> torch.Tensor:
     """Float64 attention of `[B, Hq, q, d]` queries on `[B, Hkv, d, k]` keys and `[B, Hkv, k, d]` values, with an
     additive float64 `[B, 1|Hkv, G * q, k]` ``bias`` (None: every key seen) -> `[B, q, Hq, d]` in the query's
-    dtype."""
+    dtype. Batched products over `B * Hkv` (3D views: no broadcasting wrapper per layer)."""
     batch, q_heads, q_len, head_dim = query.shape
-    kv_heads = keys_t.shape[1]
-    q = query.double().mul_(scale).reshape(batch, kv_heads, q_heads // kv_heads * q_len, head_dim)
-    scores = torch.matmul(q, keys_t)  # [B, Hkv, G * q, k]
+    kv_heads, k_len = keys_t.shape[1], keys_t.shape[3]
+    rows = q_heads // kv_heads * q_len
+    q = query.double().mul_(scale).reshape(batch * kv_heads, rows, head_dim)
+    scores = torch.bmm(q, keys_t.reshape(batch * kv_heads, head_dim, k_len))  # [B * Hkv, G * q, k]
     if bias is not None:
-        scores.add_(bias)
+        scores.view(batch, kv_heads, rows, k_len).add_(bias)
     weights = torch.softmax(scores, dim=-1)
-    out = torch.matmul(weights, values).to(query.dtype).view(batch, q_heads, q_len, head_dim)
-    return out.transpose(1, 2).contiguous()
+    out = torch.bmm(weights, values.reshape(batch * kv_heads, k_len, head_dim))
+    return out.to(query.dtype).view(batch, q_heads, q_len, head_dim).transpose(1, 2).contiguous()
 
 
 def _score_bias(mask, groups: int, q_len: int, k_len: int, offset: int, device=None) -> torch.Tensor | None:
