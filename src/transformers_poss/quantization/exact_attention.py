@@ -46,7 +46,8 @@ def exact_attention_forward(module, query, key, value, attention_mask, scaling=N
     keys_t, values = key.double().transpose(-1, -2), value.double()
     chunk = max(1, QUERY_CHUNK_BYTES // (8 * batch * q_heads * k_len))
     if q_len <= chunk:
-        return _attend(query, keys_t, values, _cached_bias(attention_mask, groups, q_len, k_len, query.device), scale), None
+        bias = _cached_bias(attention_mask, groups, q_len, k_len, query.device)
+        return _attend(query, keys_t, values, bias, scale), None
     mask = None if attention_mask is None else attention_mask[..., :k_len]
     out = torch.cat([
         _attend(query[:, :, i : i + chunk], keys_t, values,

@@ -207,8 +207,7 @@ class FusedProjections:
             self.spans[id(member)] = (start, stop)
             member.__dict__["_fused"] = self
             start = stop
-        self.views = [(m.weight_int8_t, m.weight_scale, m.bias) for m in members]
-        self._views_of = {id(m): view for m, view in zip(members, self.views)}
+        self._views_of = {id(m): (m.weight_int8_t, m.weight_scale, m.bias) for m in members}
         self.weight, self.weight_scale, self.bias = weight, scale, bias
         self.state, self.version = KernelState(weight), self._versions()
         self._dynamic = None  # fbgemm's packed whole, built when the members run with ``per_token=False``
@@ -218,9 +217,9 @@ class FusedProjections:
         return tuple(t._version for t in (self.weight, self.weight_scale, self.bias) if t is not None)
 
     def is_current(self) -> bool:
-        """False once a member's buffers were replaced (``.to()``, ``load_state_dict``): members then run alone."""
-        return all(m.weight_int8_t is w and m.weight_scale is c and m.bias is b
-                   for m, (w, c, b) in zip(self.members, self.views))
+        """Whether every member is still served by the whole (see `serves`); False once any member's buffers were
+        replaced (``.to()``, assigning a new tensor)."""
+        return all(self.serves(m) for m in self.members)
 
     def serves(self, member: Int8Linear) -> bool:
         """Whether ``member``'s buffers are still its views of the whole (its slice of the fused product is its own

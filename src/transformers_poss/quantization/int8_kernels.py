@@ -226,7 +226,7 @@ class KernelState:
         self.weight_int8_t = weight_int8_t
         self._packed = None
         self._onednn = None
-        self.chosen: tuple[dict, dict[int, str]] = (None, {})  # (process-wide choices, {rows: kernel}) of `choose_kernel`
+        self.chosen: tuple[dict, dict[int, str]] = (None, {})  # (process-wide choices, {rows: kernel}) seen here
 
     def packed(self):
         if self._packed is None:
