@@ -15,6 +15,9 @@ class PosSDraftCache:
     def __init__(self, num_specialists: int):
         self.keys: list[torch.Tensor | None] = [None] * num_specialists
         self.values: list[torch.Tensor | None] = [None] * num_specialists
+        # per specialist, the (keys, values) storage `[B, kv, capacity, D]` that ``keys[s]`` / ``values[s]`` are the
+        # first ``L_s`` columns of: appends write into it instead of copying the whole context every round
+        self._stores: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_specialists
 
     def get_seq_length(self, specialist: int = 0) -> int:
         keys = self.keys[specialist]
@@ -22,20 +25,55 @@ class PosSDraftCache:
 
     def update(self, specialist: int, keys: torch.Tensor, values: torch.Tensor):
         """Append `[B, kv, T, D]` keys/values; return the full keys/values of that specialist."""
-        if self.keys[specialist] is not None:
-            keys = torch.cat([self.keys[specialist], keys], dim=-2)
-            values = torch.cat([self.values[specialist], values], dim=-2)
-        self.keys[specialist], self.values[specialist] = keys, values
-        return keys, values
+        length = self.get_seq_length(specialist)
+        self.keys[specialist], self.values[specialist] = self._write(specialist, length, keys, values)
+        return self.keys[specialist], self.values[specialist]
+
+    def with_tail(self, specialist: int, start: int, keys: torch.Tensor, values: torch.Tensor):
+        """The context's keys/values followed by temporary rows, without adding those rows to the context.
+
+        Writes `[B, kv, T, D]` ``keys`` / ``values`` at tail rows ``start .. start + T - 1`` (tail row 0 follows the
+        context's last column; rows before ``start`` must have been written by earlier calls since the last
+        `update`) and returns `[B, kv, L + start + T, D]` views: context then tail. The next `update` overwrites
+        the tail. A draft round keeps its tree rows there, so no level copies the context.
+        """
+        return self._write(specialist, self.get_seq_length(specialist) + start, keys, values)
+
+    def _write(self, specialist: int, at: int, keys: torch.Tensor, values: torch.Tensor):
+        """Write keys/values at column ``at`` of the specialist's storage (grown by doubling when full; columns
+        before ``at`` kept) and return views of its columns ``0 .. at + T - 1``."""
+        end = at + keys.shape[-2]
+        store = self._stores[specialist]
+        current = self.keys[specialist]
+        if current is not None and (store is None or current.data_ptr() != store[0].data_ptr()):
+            store = None  # keys replaced from outside: keep them, in a new storage
+        if store is None or store[0].shape[-2] < end or store[0].shape[:2] != keys.shape[:2] \
+                or store[0].dtype != keys.dtype or store[0].device != keys.device:
+            batch, heads, _, dim = keys.shape
+            capacity = max(2 * end, 64)
+            grown = (keys.new_empty(batch, heads, capacity, dim), values.new_empty(batch, heads, capacity, values.shape[-1]))
+            if at > 0:  # the columns kept: the context's (and the tail's so far), from the old storage or tensors
+                old = store if store is not None else (current, self.values[specialist])
+                grown[0][:, :, :at].copy_(old[0][:, :, :at])
+                grown[1][:, :, :at].copy_(old[1][:, :, :at])
+            store = self._stores[specialist] = grown
+            if current is not None:  # the context now lives in the new storage
+                length = current.shape[-2]
+                self.keys[specialist], self.values[specialist] = store[0][:, :, :length], store[1][:, :, :length]
+        store[0][:, :, at:end].copy_(keys)
+        store[1][:, :, at:end].copy_(values)
+        return store[0][:, :, :end], store[1][:, :, :end]
 
     def select_rows(self, rows: torch.LongTensor) -> None:
         """Keep only batch rows ``rows`` (`[B']`) of every specialist."""
         for s, keys in enumerate(self.keys):
             if keys is not None:
                 self.keys[s], self.values[s] = keys[rows], self.values[s][rows]
+            self._stores[s] = None
 
     def gather_columns(self, specialist: int, index: torch.LongTensor) -> None:
         """Row ``b`` of ``specialist`` keeps columns ``index[b]`` (`[B, L']`), in that order."""
         keys, values = self.keys[specialist], self.values[specialist]
         gather = index[:, None, :, None].expand(keys.shape[0], keys.shape[1], index.shape[1], keys.shape[3])
         self.keys[specialist], self.values[specialist] = keys.gather(2, gather), values.gather(2, gather)
+        self._stores[specialist] = None

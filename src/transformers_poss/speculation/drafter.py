@@ -25,13 +25,13 @@ from .tree import BatchedTree, DraftTree, batched_ancestor_mask
 
 class _RoundState:
     """Tree rows fed to the draft during one round, for B rows: fused inputs `[B, R, F]` (F =
-    ``config.fused_size``), their RoPE (cos, sin) `[B, R, head_dim]` each, ancestry `[B, R, R]` among them, and each
-    specialist's keys/values of them."""
+    ``config.fused_size``) with their RoPE (cos, sin) `[B, R, head_dim]` each, kept as the per-level parts they came
+    in (joined only when a specialist must project more than the last level), ancestry `[B, R, R]` among them, and
+    each specialist's keys/values of them."""
 
     def __init__(self):
-        self.hidden: torch.Tensor | None = None
-        self.last: torch.Tensor | None = None  # the rows added last, as given (fused int8 q/k/v match inputs by identity)
-        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.parts: list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = []  # (fused rows, rope) per level
+        self.total = 0  # rows fed so far
         self.ancestry: torch.Tensor | None = None
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # specialist -> (keys, values, rows done)
 
@@ -39,29 +39,35 @@ class _RoundState:
         """Append `[B, k, F]` fused inputs with their RoPE (cos, sin) whose parents are rows `[B, k]` ``parent_rows``
         (None: the first layer, children of the roots)."""
         batch, k, _ = hidden.shape
-        self.last = hidden
+        self.parts.append((hidden, rope))
+        self.total += k
         eye = torch.eye(k, dtype=torch.bool, device=hidden.device).expand(batch, k, k)
-        if self.hidden is None:
-            self.hidden, self.rope, self.ancestry = hidden, rope, eye
+        if self.ancestry is None:
+            self.ancestry = eye
             return
         rows = self.ancestry.shape[1]
         inherited = self.ancestry.gather(1, parent_rows[..., None].expand(batch, k, rows))  # [B, k, R]
         top = torch.cat([self.ancestry, eye.new_zeros(batch, rows, k)], dim=2)
         self.ancestry = torch.cat([top, torch.cat([inherited, eye], dim=2)], dim=1)
-        self.hidden = torch.cat([self.hidden, hidden], dim=1)
-        self.rope = tuple(torch.cat([old, new], dim=1) for old, new in zip(self.rope, rope))
 
-    def keys_values(self, specialist: int, layer):
-        """Keys/values of every fed row under ``specialist`` (only rows not yet projected are computed)."""
+    def _rows_from(self, done: int):
+        """Fused rows ``done ..`` and their RoPE; the last level's rows as given when they are all that is asked
+        (a fused int8 q/k/v matches its inputs by identity)."""
+        hidden, rope = self.parts[-1]
+        if self.total - done == hidden.shape[1]:
+            return hidden, rope
+        hidden = torch.cat([part[0] for part in self.parts], dim=1)[:, done:]
+        rope = tuple(torch.cat([part[1][i] for part in self.parts], dim=1)[:, done:] for i in range(2))
+        return hidden, rope
+
+    def keys_values(self, specialist: int, layer, cache: PosSDraftCache):
+        """Keys/values `[B, kv_heads, L + R, head_dim]` of the context (``cache``, caught up) followed by every fed
+        row under ``specialist``; only rows not yet projected are computed, and they go to the cache's tail
+        (`PosSDraftCache.with_tail`), so the context is never copied."""
         keys, values, done = self.kv.get(specialist, (None, None, 0))
-        total = self.hidden.shape[1]
-        if done < total:
-            rope = self.rope if done == 0 else tuple(part[:, done:] for part in self.rope)
-            new_rows = self.last if total - done == self.last.shape[1] else self.hidden[:, done:]
-            new_k, new_v = layer.project_kv(new_rows, rope)
-            keys = new_k if keys is None else torch.cat([keys, new_k], dim=-2)
-            values = new_v if values is None else torch.cat([values, new_v], dim=-2)
-            self.kv[specialist] = (keys, values, total)
+        if done < self.total:
+            keys, values = cache.with_tail(specialist, done, *layer.project_kv(*self._rows_from(done)))
+            self.kv[specialist] = (keys, values, self.total)
         return keys, values
 
 
@@ -170,7 +176,9 @@ class PosSProposer:
         keys, values = self._catch_up(specialist, positions)
         root_positions = positions[:, -1:]  # [B, 1] position of each row's last pair
         hidden = self.hidden[:, -1:]
-        emb = draft.position_embeddings(hidden, root_positions)
+        # RoPE of the root's position and of every level below it, in one call: (cos, sin) `[B, depth, head_dim]`
+        rope = draft.position_embeddings(hidden, root_positions + torch.arange(depth, device=root_positions.device))
+        emb = tuple(part[:, :1] for part in rope)
         root_feature = draft.layers[specialist](hidden, emb, keys, values, valid[:, None, None, :])[:, 0]  # [B, H]
         batch, device = root_feature.shape[0], root_feature.device
 
@@ -190,13 +198,12 @@ class PosSProposer:
             specialist = draft.config.specialist_for_step(step)
             layer = draft.layers[specialist]
             hidden = draft.fuse(frontier_tokens, frontier_features)  # [B, k, F]: the draft's own H-wide features
-            emb = draft.position_embeddings(hidden, (root_positions + step).expand(batch, k))
+            emb = tuple(part[:, step : step + 1].expand(batch, k, -1) for part in rope)  # [B, k, head_dim]
             state.add(hidden, emb, frontier_rows)
-            total = state.hidden.shape[1]
-            ctx_keys, ctx_values = self._catch_up(specialist, positions)
-            tree_keys, tree_values = state.keys_values(specialist, layer)
+            total = state.total
+            self._catch_up(specialist, positions)
+            keys, values = state.keys_values(specialist, layer, self.cache)  # [B, kv_heads, L + R, head_dim]
             mask = torch.cat([context_mask, state.ancestry[:, total - k :]], dim=2)[:, None]  # [B, 1, k, L + R]
-            keys, values = torch.cat([ctx_keys, tree_keys], -2), torch.cat([ctx_values, tree_values], -2)
             out = layer(hidden, emb, keys, values, mask)  # [B, k, H]
 
             child_tokens, child_logprobs = self._top_k(out)  # [B, k, k]

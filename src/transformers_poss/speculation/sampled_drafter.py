@@ -159,7 +159,9 @@ class SampledTreeProposer(PosSProposer):
         keys, values = self._catch_up(specialist, positions)
         root_positions = positions[:, -1:]
         hidden = self.hidden[:, -1:]
-        emb = draft.position_embeddings(hidden, root_positions)
+        # RoPE of the root's position and of every level below it, in one call: (cos, sin) `[B, levels, head_dim]`
+        rope = draft.position_embeddings(hidden, root_positions + torch.arange(len(sizes), device=root_positions.device))
+        emb = tuple(part[:, :1] for part in rope)
         out = draft.layers[specialist](hidden, emb, keys, values, valid[:, None, None, :])  # [B, 1, H]
         batch, device = out.shape[0], out.device
 
@@ -198,15 +200,14 @@ class SampledTreeProposer(PosSProposer):
             specialist = draft.config.specialist_for_step(level)
             layer = draft.layers[specialist]
             hidden = draft.fuse(level_tokens.gather(1, best), features)
-            emb = draft.position_embeddings(hidden, (root_positions + level).expand(batch, best.shape[1]))
+            emb = tuple(part[:, level : level + 1].expand(batch, best.shape[1], -1) for part in rope)
             state.add(hidden, emb, None if level == 1 else frontier_start + parent_of_best)
-            total = state.hidden.shape[1]
-            ctx_keys, ctx_values = self._catch_up(specialist, positions)
-            tree_keys, tree_values = state.keys_values(specialist, layer)
+            total = state.total
+            self._catch_up(specialist, positions)
+            keys, values = state.keys_values(specialist, layer, self.cache)  # context, then the tree rows
             fed = best.shape[1]
             mask = torch.cat([context_mask.expand(batch, fed, -1), state.ancestry[:, total - fed :]], dim=2)[:, None]
-            out = layer(hidden, emb, torch.cat([ctx_keys, tree_keys], -2), torch.cat([ctx_values, tree_values], -2),
-                        mask)  # fmt: skip
+            out = layer(hidden, emb, keys, values, mask)
             logq = self.warping(draft.compute_logits(out))
             frontier_start = total - fed  # state rows of the new frontier
             frontier_scores = level_scores.gather(1, best)
