@@ -240,8 +240,18 @@ def test_timing_leaves_only_the_packed_copies_a_chosen_kernel_reads(monkeypatch)
 
 def test_onednn_is_not_timed_for_single_rows(monkeypatch):
     """Timed alone oneDNN wins single-row products of wide matrices, yet a decode step measured slower with it."""
-    monkeypatch.setattr(kernels, "available_kernels", lambda: ("int_mm", "onednn", "fbgemm8", "fbgemm"))
-    assert kernels.candidate_kernels(1) == ("int_mm", "fbgemm8")
-    assert kernels.candidate_kernels(16) == ("int_mm", "onednn", "fbgemm8")
+    monkeypatch.setattr(kernels, "available_kernels", lambda: ("int_mm", "onednn", "fbgemm"))
+    assert kernels.candidate_kernels(1) == ("int_mm", "fbgemm")
+    assert kernels.candidate_kernels(16) == ("int_mm", "onednn", "fbgemm")
     monkeypatch.setattr(kernels, "available_kernels", lambda: ("onednn",))
     assert kernels.candidate_kernels(1) == ("onednn",)
+
+
+def test_single_rows_go_to_fbgemm_where_its_eight_bit_gemm_is_exact(monkeypatch):
+    """Timed alone ``torch._int_mm`` won a single-row product that measured slower inside a decode step; where
+    fbgemm's 8-bit GEMM is exact it takes every single row, and more rows are still timed among all kernels."""
+    monkeypatch.setattr(kernels, "available_kernels", lambda: ("int_mm", "onednn", "fbgemm8", "fbgemm"))
+    assert kernels.candidate_kernels(1) == ("fbgemm8",)
+    assert kernels.candidate_kernels(4) == ("int_mm", "onednn", "fbgemm8")
+    monkeypatch.setattr(kernels, "available_kernels", lambda: ("int_mm", "fbgemm"))  # AVX2: the 7-bit split only
+    assert kernels.candidate_kernels(1) == ("int_mm", "fbgemm")
