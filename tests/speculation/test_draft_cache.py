@@ -17,7 +17,8 @@ def test_appends_equal_concatenation_across_growth():
         keys.append(k), values.append(v)
         got_k, got_v = cache.update(1, k, v)
         assert torch.equal(got_k, torch.cat(keys, 2)) and torch.equal(got_v, torch.cat(values, 2))
-        assert torch.equal(cache.keys[1], torch.cat(keys, 2)) and cache.get_seq_length(1) == sum(x.shape[2] for x in keys)
+        assert torch.equal(cache.keys[1], torch.cat(keys, 2))
+        assert cache.get_seq_length(1) == sum(x.shape[2] for x in keys)
     assert cache.keys[0] is None and cache.get_seq_length(0) == 0
 
 

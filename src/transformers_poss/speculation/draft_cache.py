@@ -51,7 +51,8 @@ class PosSDraftCache:
                 or store[0].dtype != keys.dtype or store[0].device != keys.device:
             batch, heads, _, dim = keys.shape
             capacity = max(2 * end, 64)
-            grown = (keys.new_empty(batch, heads, capacity, dim), values.new_empty(batch, heads, capacity, values.shape[-1]))
+            grown = (keys.new_empty(batch, heads, capacity, dim),
+                     values.new_empty(batch, heads, capacity, values.shape[-1]))
             if at > 0:  # the columns kept: the context's (and the tail's so far), from the old storage or tensors
                 old = store if store is not None else (current, self.values[specialist])
                 grown[0][:, :, :at].copy_(old[0][:, :, :at])

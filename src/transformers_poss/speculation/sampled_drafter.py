@@ -160,7 +160,8 @@ class SampledTreeProposer(PosSProposer):
         root_positions = positions[:, -1:]
         hidden = self.hidden[:, -1:]
         # RoPE of the root's position and of every level below it, in one call: (cos, sin) `[B, levels, head_dim]`
-        rope = draft.position_embeddings(hidden, root_positions + torch.arange(len(sizes), device=root_positions.device))
+        levels = torch.arange(len(sizes), device=root_positions.device)
+        rope = draft.position_embeddings(hidden, root_positions + levels)
         emb = tuple(part[:, :1] for part in rope)
         out = draft.layers[specialist](hidden, emb, keys, values, valid[:, None, None, :])  # [B, 1, H]
         batch, device = out.shape[0], out.device
