@@ -9,7 +9,9 @@ class PosSDraftCache:
     """Keys/values of the accepted context, one entry per specialist.
 
     ``keys[s]`` / ``values[s]``: `[B, kv_heads, L_s, head_dim]` or None; specialists may lag behind each other (a
-    specialist catches up on the context pairs it has not seen when it is next used).
+    specialist catches up on the context pairs it has not seen when it is next used). They are the first ``L_s``
+    columns of a larger storage that later appends write into (after column ``L_s``, never before it); tensors
+    assigned to them from outside are taken as the context as they are.
     """
 
     def __init__(self, num_specialists: int):
