@@ -300,9 +300,7 @@ def candidate_kernels(num_rows: int = ROW_BUCKETS[-1]) -> tuple[str, ...]:
     if "fbgemm8" in kernels and len(kernels) > 1:
         kernels = tuple(k for k in kernels if k != "fbgemm")
     if num_rows == 1 and len(kernels) > 1:
-        kernels = tuple(k for k in kernels if k != "onednn")
-    if num_rows == 1 and "fbgemm8" in kernels and len(kernels) > 1:
-        kernels = tuple(k for k in kernels if k != "int_mm")
+        kernels = ("fbgemm8",) if "fbgemm8" in kernels else tuple(k for k in kernels if k != "onednn")
     return kernels
 
 

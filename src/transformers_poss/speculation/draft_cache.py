@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .kv_storage import write_columns
+
 
 class PosSDraftCache:
     """Keys/values of the accepted context, one entry per specialist.
@@ -42,30 +44,18 @@ class PosSDraftCache:
         return self._write(specialist, self.get_seq_length(specialist) + start, keys, values)
 
     def _write(self, specialist: int, at: int, keys: torch.Tensor, values: torch.Tensor):
-        """Write keys/values at column ``at`` of the specialist's storage (grown by doubling when full; columns
-        before ``at`` kept) and return views of its columns ``0 .. at + T - 1``."""
-        end = at + keys.shape[-2]
-        store = self._stores[specialist]
+        """Write keys/values at column ``at`` of the specialist's storage (`kv_storage.write_columns`; columns before
+        ``at`` kept) and return views of its columns ``0 .. at + T - 1``; the context stays the first ``L_s``."""
         current = self.keys[specialist]
-        if current is not None and (store is None or current.data_ptr() != store[0].data_ptr()):
-            store = None  # keys replaced from outside: keep them, in a new storage
-        if store is None or store[0].shape[-2] < end or store[0].shape[:2] != keys.shape[:2] \
-                or store[0].dtype != keys.dtype or store[0].device != keys.device:
-            batch, heads, _, dim = keys.shape
-            capacity = max(2 * end, 64)
-            grown = (keys.new_empty(batch, heads, capacity, dim),
-                     values.new_empty(batch, heads, capacity, values.shape[-1]))
-            if at > 0:  # the columns kept: the context's (and the tail's so far), from the old storage or tensors
-                old = store if store is not None else (current, self.values[specialist])
-                grown[0][:, :, :at].copy_(old[0][:, :, :at])
-                grown[1][:, :, :at].copy_(old[1][:, :, :at])
-            store = self._stores[specialist] = grown
+        held = None if current is None else (current, self.values[specialist])
+        storage, keys, values = write_columns(self._stores[specialist], held, at, keys, values)
+        if storage is not self._stores[specialist]:
+            self._stores[specialist] = storage
             if current is not None:  # the context now lives in the new storage
                 length = current.shape[-2]
-                self.keys[specialist], self.values[specialist] = store[0][:, :, :length], store[1][:, :, :length]
-        store[0][:, :, at:end].copy_(keys)
-        store[1][:, :, at:end].copy_(values)
-        return store[0][:, :, :end], store[1][:, :, :end]
+                self.keys[specialist] = storage[0][..., :length, :]
+                self.values[specialist] = storage[1][..., :length, :]
+        return keys, values
 
     def select_rows(self, rows: torch.LongTensor) -> None:
         """Keep only batch rows ``rows`` (`[B']`) of every specialist."""

@@ -28,8 +28,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-
-MIN_CAPACITY = 64  # columns allocated at first use
+from .kv_storage import MIN_CAPACITY, write_columns
 
 
 class GrowingLayer(DynamicLayer):
@@ -42,30 +41,9 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length = self.keys.shape[-2] if self.keys.numel() else 0
-        needed = length + key_states.shape[-2]
-        storage = self._storage if self._owns(self.keys, key_states) else None
-        if storage is None or needed > storage[0].shape[-2]:
-            capacity = max(MIN_CAPACITY, 2 * needed)  # room to grow, also when adopting a prefilled layer
-            storage = tuple(new.new_empty(*new.shape[:-2], capacity, new.shape[-1])
-                            for new in (key_states, value_states))
-            if length:  # keys / values replaced by other code (e.g. a row selection) are copied in once
-                storage[0][..., :length, :] = self.keys
-                storage[1][..., :length, :] = self.values
-            self._storage = storage
-        storage[0][..., length:needed, :] = key_states
-        storage[1][..., length:needed, :] = value_states
-        self.keys, self.values = storage[0][..., :needed, :], storage[1][..., :needed, :]
+        held = (self.keys, self.values) if length else None
+        self._storage, self.keys, self.values = write_columns(self._storage, held, length, key_states, value_states)
         return self.keys, self.values
-
-    def _owns(self, keys: torch.Tensor, new: torch.Tensor) -> bool:
-        """Whether ``keys`` still is the filled part of this layer's buffer, with the rows / heads / dtype of
-        ``new``."""
-        storage = self._storage
-        if storage is None:
-            return False
-        buffer = storage[0]
-        same_layout = buffer.shape[:-2] == new.shape[:-2] and buffer.dtype == new.dtype and buffer.device == new.device
-        return same_layout and (keys.numel() == 0 or keys.data_ptr() == buffer.data_ptr())
 
     def reset(self) -> None:
         self._storage = None
