@@ -127,7 +127,8 @@ def test_split_data_holds_out_only_unseen_conversations_and_keeps_a_users_file(t
     with gzip.open(DATA / "conversations.jsonl.gz", "rt", encoding="utf-8") as handle:
         lines = [line for line in handle if line.strip()]
     seen = len(lines) - 50
-    assert split.main(["--out", str(tmp_path), "--seen", str(seen), "--heldout", "20"]) == 0
+    upto = ["--heldout-upto", str(len(lines))]
+    assert split.main(["--out", str(tmp_path), "--seen", str(seen), "--heldout", "20", *upto]) == 0
     with gzip.open(tmp_path / "train.jsonl.gz", "rt", encoding="utf-8") as handle:
         train = handle.readlines()
     with gzip.open(tmp_path / "heldout.jsonl.gz", "rt", encoding="utf-8") as handle:
@@ -143,11 +144,38 @@ def test_split_data_holds_out_only_unseen_conversations_and_keeps_a_users_file(t
         else:
             assert line in originals
     assert train[:len(lines) - 70] != lines[:len(lines) - 70]  # shuffled
-    assert split.main(["--out", str(tmp_path), "--seen", str(seen), "--heldout", "20"]) == 0  # same split: kept
+    assert split.main(["--out", str(tmp_path), "--seen", str(seen), "--heldout", "20", *upto]) == 0  # kept
     with pytest.raises(SystemExit, match="exists with other conversations"):
-        split.main(["--out", str(tmp_path), "--seen", str(seen), "--heldout", "20", "--seed", "1"])
+        split.main(["--out", str(tmp_path), "--seen", str(seen), "--heldout", "20", "--seed", "1", *upto])
     with gzip.open(tmp_path / "train.jsonl.gz", "rt", encoding="utf-8") as handle:
         assert handle.readlines() == train
+
+
+def test_split_data_keeps_the_same_held_out_conversations_as_the_data_grows(tmp_path):
+    """Conversations appended after ``--heldout-upto`` go to the training file; the held-out set is unchanged."""
+    split = example_module("split_data")
+    data = tmp_path / "data"
+    data.mkdir()
+
+    def line(i):
+        return json.dumps({"id": i, "messages": [{"role": "user", "content": f"q{i}"},
+                                                 {"role": "assistant", "content": f"a{i}"}]})
+
+    _gz(data / "conversations.jsonl.gz", [line(i) for i in range(30)])
+    flags = ["--data", str(data), "--seen", "5", "--heldout", "6", "--heldout-upto", "30"]
+    assert split.main(["--out", str(tmp_path / "before"), *flags]) == 0
+    _gz(data / "conversations.jsonl.gz", [line(i) for i in range(45)])
+    assert split.main(["--out", str(tmp_path / "after"), *flags]) == 0
+
+    def ids(folder, name):
+        with gzip.open(tmp_path / folder / f"{name}.jsonl.gz", "rt", encoding="utf-8") as handle:
+            return {json.loads(row)["id"] for row in handle}
+
+    assert ids("after", "heldout") == ids("before", "heldout") and len(ids("after", "heldout")) == 6
+    assert ids("after", "train") == set(range(45)) - ids("after", "heldout")
+    with pytest.raises(SystemExit):  # too few conversations between --seen and --heldout-upto
+        split.main(["--out", str(tmp_path / "x"), "--data", str(data), "--seen", "28", "--heldout", "6",
+                    "--heldout-upto", "30"])
 
 
 def test_split_data_trains_on_the_two_turn_form_of_followed_up_conversations(tmp_path):

@@ -2,8 +2,9 @@
 
 The shipped EAGLE-2 draft was trained on the first 5,200 conversations of
 `data/smollm2-135m-instruct/conversations.jsonl.gz` (the file only grows at its end), so the held-out
-conversations are drawn (seeded) from the ones after them: every draft, old or new, is then measured on text
-it never trained on. The training file holds every other conversation in a seeded random order, so that
+conversations are drawn (seeded) from the ones after them and before ``--heldout-upto`` (21,200: the file's length
+when the held-out set was first drawn), so the same conversations stay held out as the data grows: every draft, old
+or new, is then measured on text it never trained on. The training file holds every other conversation in a seeded random order, so that
 ``data.max_conversations`` (a prefix) is a random sample of the whole set. A conversation that `make_data.py` continued
 with a follow-up turn (``followups.jsonl.gz``) is trained on in its two-turn form, which contains the one-turn one;
 held-out conversations stay one-turn:
@@ -48,18 +49,22 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="folder for train.jsonl.gz and heldout.jsonl.gz")
     parser.add_argument("--seen", type=int, default=5200, help="leading conversations some shipped draft saw")
     parser.add_argument("--heldout", type=int, default=200, help="conversations held out")
+    parser.add_argument("--heldout-upto", type=int, default=21200,
+                        help="held-out conversations are drawn before this line (fixed, so that growing the data "
+                             "keeps the same held-out set)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", default=str(DATA), help="folder of conversations.jsonl.gz (and the follow-ups)")
     args = parser.parse_args(argv)
     data = Path(args.data).expanduser()
     lines = read_gz_lines(data / "conversations.jsonl.gz")
-    if len(lines) - args.seen < args.heldout:
-        parser.error(f"{data / 'conversations.jsonl.gz'} has {len(lines)} conversations: too few after --seen "
-                     f"{args.seen} to hold out {args.heldout}")
+    upto = min(len(lines), args.heldout_upto)
+    if upto - args.seen < args.heldout:
+        parser.error(f"{data / 'conversations.jsonl.gz'} has {len(lines)} conversations: too few between --seen "
+                     f"{args.seen} and --heldout-upto {args.heldout_upto} to hold out {args.heldout}")
     ids = [json.loads(line)["id"] for line in lines]
     longer = followup_lines(data)
     rng = random.Random(args.seed)
-    held = set(rng.sample(range(args.seen, len(lines)), args.heldout))
+    held = set(rng.sample(range(args.seen, upto), args.heldout))
     train = [i for i in range(len(lines)) if i not in held]
     rng.shuffle(train)
     out = Path(args.out).expanduser()
