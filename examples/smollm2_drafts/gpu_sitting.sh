@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The shipped SmolLM2 drafts, continued in one short GPU sitting (a time budget of minutes, not hours):
 #   1. split: the same 200 held-out conversations as on the CPU (split_data.py, seed 0);
-#   2. data: the target writes NEW_PROMPTS more prompts and answers as many as DATA_MIN minutes allow
-#      (make_data.py, bf16, batch GEN_BATCH), appended to data/smollm2-135m-instruct/;
+#   2. data: the target answers as many prompts as DATA_MIN minutes allow (make_data.py, bf16, batch GEN_BATCH),
+#      first those written earlier and not yet answered, then new ones it writes, up to NEW_PROMPTS beyond the
+#      answered conversations; appended to data/smollm2-135m-instruct/;
 #   3. features of every training conversation (old and new) and of the held-out ones, bf16 autocast;
 #   4. stage 1: the EAGLE-2 draft START continued at lr 5e-4, its cosine schedule sized to its share of the time;
 #   5. stage 2: PosS-3, PosS-2 and EAGLE-2 continued, all from the stage-1 draft, side by side for the same wall time
@@ -101,5 +102,6 @@ for i in "${!pids[@]}"; do
     ship "${kinds[$i]}"
   else log "!! ${kinds[$i]} failed"; tail -20 "$R/logs/${kinds[$i]}.log"; status=1; fi
 done
-log "done: drafts in $R/{eagle2,poss3,poss2,eagle2c}/final; held-out accuracy: eval_drafts.py --features $R/features/eval"
+log "done: drafts in $R/{eagle2,poss3,poss2,eagle2c}/final"
+log "held-out accuracy: eval_drafts.py --features $R/features/eval LABEL=FOLDER ..."
 exit $status
