@@ -223,9 +223,13 @@ def test_committed_data_holds_no_evaluation_prompt_and_no_repeated_prompt():
     assert len(evaluation) >= 150
     prompts = [_normalized(r["prompt"]) for r in read_jsonl(DATA / "prompts.jsonl.gz")]
     assert len(set(prompts)) == len(prompts) and not set(prompts) & evaluation
+    # answered conversations: the first user turn of each is the prompt of its id (prompts may wait for answers)
+    answered = read_jsonl(DATA / "conversations.jsonl.gz")
+    assert 0 < len(answered) <= len(prompts)
+    assert all(_normalized(r["messages"][0]["content"]) == prompts[r["id"]] for r in answered)
     users = []
     for name in ("conversations.jsonl.gz", "followup-prompts.jsonl.gz", "followups.jsonl.gz"):
         if (DATA / name).exists():
             users += [_normalized(m["content"]) for r in read_jsonl(DATA / name) for m in r["messages"] or []
                       if m["role"] == "user"]
-    assert len(users) >= len(prompts) and not set(users) & evaluation
+    assert len(users) >= len(answered) and not set(users) & evaluation
