@@ -32,20 +32,11 @@ OLD=$(zcat $DATA/conversations.jsonl.gz | wc -l)
 LIMIT=(); STEPS1=(); STEPS2=()
 if [ -n "$SMALL" ]; then LIMIT=(--max_conversations 96); STEPS1=(--max_steps 3); STEPS2=(--max_steps 3); fi
 budget() { awk -v m="$1" 'BEGIN { printf "--train_budget_minutes %.2f --max_train_minutes %.2f", m, m * 1.15 + 0.2 }'; }
-ship() {  # KIND: RUNS/KIND/final in bf16 (as shipped) under OUT/KIND
+ship() {  # KIND: RUNS/KIND/final in bf16 (as shipped) under OUT/KIND, saved by the draft itself (card included)
   [ -n "$OUT" ] || return 0
-  rm -rf "${OUT:?}/$1" && mkdir -p "$OUT" && cp -r "$R/$1/final" "$OUT/$1" && $PY - "$OUT/$1" <<'PYEOF'
-import json, sys, torch
-from safetensors.torch import load_file, save_file
-folder = sys.argv[1]
-weights = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
-           for k, v in load_file(f"{folder}/model.safetensors").items()}
-save_file(weights, f"{folder}/model.safetensors", metadata={"format": "pt"})
-config = json.load(open(f"{folder}/config.json"))
-config["dtype"] = "bfloat16"
-json.dump(config, open(f"{folder}/config.json", "w"), indent=2)
-PYEOF
-  log "shipped $1 to $OUT/$1"
+  rm -rf "${OUT:?}/$1" && mkdir -p "$OUT" && $PY -c "import sys, torch; from transformers_poss import PosSDraftModel
+PosSDraftModel.from_pretrained(sys.argv[1]).to(torch.bfloat16).save_pretrained(sys.argv[2])" "$R/$1/final" "$OUT/$1" \
+    && log "shipped $1 to $OUT/$1"
 }
 
 log "split (the held-out conversations of the CPU runs)"

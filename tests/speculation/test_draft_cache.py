@@ -64,3 +64,22 @@ def test_rows_and_columns_replaced_from_outside_are_kept():
     cache.keys[0], cache.values[0] = fresh_k, fresh_v
     got_k, got_v = cache.update(0, tail_k, tail_v)
     assert torch.equal(got_k, torch.cat([fresh_k, tail_k], 2)) and torch.equal(got_v, torch.cat([fresh_v, tail_v], 2))
+
+
+def test_round_state_joins_only_the_levels_a_specialist_has_not_projected():
+    """`_RoundState._rows_from(done)` returns fused rows ``done ..`` with their RoPE, equal to slicing all levels
+    joined, and the last level as given (same tensor) when only it is asked."""
+    from transformers_poss.speculation.drafter import _RoundState
+
+    torch.manual_seed(0)
+    state, sizes = _RoundState(), [1, 4, 4, 3]
+    for level, k in enumerate(sizes):
+        parents = None if level == 0 else torch.zeros(2, k, dtype=torch.long)
+        state.add(torch.randn(2, k, 5), (torch.randn(2, k, 3), torch.randn(2, k, 3)), parents)
+    hidden = torch.cat([part[0] for part in state.parts], dim=1)
+    rope = [torch.cat([part[1][i] for part in state.parts], dim=1) for i in range(2)]
+    for done in (0, 1, 5, 9):
+        rows, (cos, sin) = state._rows_from(done)
+        assert torch.equal(rows, hidden[:, done:]) and torch.equal(cos, rope[0][:, done:])
+        assert torch.equal(sin, rope[1][:, done:])
+    assert state._rows_from(9)[0] is state.parts[-1][0]

@@ -51,13 +51,20 @@ class _RoundState:
         self.ancestry = torch.cat([top, torch.cat([inherited, eye], dim=2)], dim=1)
 
     def _rows_from(self, done: int):
-        """Fused rows ``done ..`` and their RoPE; the last level's rows as given when they are all that is asked
-        (a fused int8 q/k/v matches its inputs by identity)."""
+        """Fused rows ``done ..`` and their RoPE (``done`` is a level boundary: a count of rows fed earlier); the last
+        level's rows as given when they are all that is asked (a fused int8 q/k/v matches its inputs by identity),
+        else only the levels from ``done`` on are joined."""
         hidden, rope = self.parts[-1]
         if self.total - done == hidden.shape[1]:
             return hidden, rope
-        hidden = torch.cat([part[0] for part in self.parts], dim=1)[:, done:]
-        rope = tuple(torch.cat([part[1][i] for part in self.parts], dim=1)[:, done:] for i in range(2))
+        parts, start = [], self.total
+        for part in reversed(self.parts):
+            if start <= done:
+                break
+            parts.insert(0, part)
+            start -= part[0].shape[1]
+        hidden = torch.cat([part[0] for part in parts], dim=1)
+        rope = tuple(torch.cat([part[1][i] for part in parts], dim=1) for i in range(2))
         return hidden, rope
 
     def keys_values(self, specialist: int, layer, cache: PosSDraftCache):
