@@ -219,7 +219,29 @@ def test_kernel_timing_interleaves_the_kernels(monkeypatch):
     monkeypatch.setattr(kernels.KernelState, "product", product)
     monkeypatch.setattr(kernels.time, "perf_counter", lambda: now[0])
     assert kernels._time_kernels(state, 4, ("int_mm", "fbgemm8"), repeats=3) == "fbgemm8"
-    assert calls[2:] == ["int_mm", "fbgemm8"] * 3  # after one warm-up call each, alternating rounds
+    # one warm-up call each, one screening call each, then alternating rounds
+    assert calls[2:] == ["int_mm", "fbgemm8"] * 4
+
+
+def test_a_kernel_far_slower_in_one_call_is_not_timed_further(monkeypatch):
+    """A kernel with no fast path on this CPU (oneDNN's int8 GEMM took seconds a call on one) is dropped after one
+    timed call instead of being run in every round; within the screening factor it is timed as usual."""
+    state = kernels.KernelState(torch.randint(-127, 128, (32, 8), dtype=torch.int8))
+    calls, now = [], [0.0]
+    costs = {"int_mm": 3e-5, "onednn": 3e-5 * (kernels.SCREEN_FACTOR + 1), "fbgemm8": 2e-5}
+
+    def product(self, rows, kernel):
+        calls.append(kernel)
+        now[0] += costs[kernel]
+
+    monkeypatch.setattr(kernels.KernelState, "product", product)
+    monkeypatch.setattr(kernels.time, "perf_counter", lambda: now[0])
+    assert kernels._time_kernels(state, 16, ("int_mm", "onednn", "fbgemm8"), repeats=5) == "fbgemm8"
+    assert calls.count("onednn") == 2 and calls.count("int_mm") == 7  # warm-up and screening only
+    calls.clear()
+    costs["fbgemm8"] = 1.0  # the only one left after screening is chosen without further rounds
+    assert kernels._time_kernels(state, 16, ("int_mm", "fbgemm8"), repeats=5) == "int_mm"
+    assert calls == ["int_mm", "fbgemm8"] * 2
 
 
 def test_timing_leaves_only_the_packed_copies_a_chosen_kernel_reads(monkeypatch):

@@ -23,8 +23,9 @@ int32 result:
 
 All give bit-identical outputs, so the choice can differ per matrix shape and number of rows without changing a
 single bit of any result. [`choose_kernel`] times the available kernels once per (shape, row bucket) in the process
-(interleaved, the 7-bit one left out where the 8-bit one is exact) and keeps the faster one; each kernel is first
-checked against the exact product on random data (one row and many).
+(interleaved, the 7-bit one left out where the 8-bit one is exact; one far slower than the fastest in a first
+timed call is dropped at once) and keeps the faster one; each kernel is first checked against the exact product on
+random data (one row and many).
 ``POSS_INT8_KERNEL=int_mm|onednn|fbgemm8|fbgemm`` forces one (read, never written, by the library).
 """
 
@@ -45,6 +46,7 @@ ACTIVATION_LEVELS = 127  # per-token activations are rounded to integers in [-12
 KERNELS = ("int_mm", "onednn", "fbgemm8", "fbgemm")
 ROW_BUCKETS = (1, 4, 16, 64)  # a product of M rows uses the choice timed at the smallest bucket >= M (else the last)
 KERNEL_ENV = "POSS_INT8_KERNEL"
+SCREEN_FACTOR = 10.0  # a kernel whose first timed call takes this many times the fastest one's is not timed further
 
 
 class QuantizedRows:
@@ -310,7 +312,17 @@ def _time_kernels(state: KernelState, num_rows: int, kernels: tuple[str, ...], r
     generator = torch.Generator().manual_seed(1)
     rows = QuantizedRows(torch.randn(num_rows, state.weight_int8_t.shape[0], generator=generator))
     for kernel in kernels:
-        state.product(rows, kernel)  # warm-up (packs fbgemm's weight)
+        state.product(rows, kernel)  # warm-up (packs fbgemm's or oneDNN's weight)
+    first = {}
+    for kernel in kernels:
+        start = time.perf_counter()
+        state.product(rows, kernel)
+        first[kernel] = time.perf_counter() - start
+    # a kernel far slower than the best in one call is out at once, without repeats (oneDNN's int8 GEMM on a CPU
+    # it has no fast path for took 100-3000x the others' time: seconds per choice for the vocabulary head)
+    kernels = tuple(k for k in kernels if first[k] <= SCREEN_FACTOR * min(first.values()))
+    if len(kernels) == 1:
+        return kernels[0]
     best = dict.fromkeys(kernels, float("inf"))
     for _ in range(repeats):
         for kernel in kernels:
