@@ -50,6 +50,8 @@ def test_cli_build_draft_keeps_the_init_from_map(tmp_path):
     target = tiny_llama()
     eagle = tiny_draft(target, num_specialists=1, seed=7)
     set_token_map(eagle, torch.arange(3, 19))
+    eagle.generation_config.tree_top_k, eagle.generation_config.tree_total_tokens = 4, "auto"
+    eagle.generation_config.tree_context_candidates = True
     eagle.save_pretrained(tmp_path / "eagle")
     data = _sequences(4)
 
@@ -62,6 +64,11 @@ def test_cli_build_draft_keeps_the_init_from_map(tmp_path):
                                "--draft_vocab_size", "16"])
     draft = build_draft(config, target, data, Tok())
     assert torch.equal(draft.draft_to_target, torch.arange(3, 19))  # not rebuilt from the new data
+    tree = draft.generation_config  # it drafts as the saved draft did (not with the defaults of a new one)
+    assert (tree.tree_top_k, tree.tree_total_tokens, tree.tree_context_candidates) == (4, "auto", True)
+    fresh = build_draft(parse_train_args(["--target", "tiny", "--num_specialists", "2", "--draft_vocab_size", "16"]),
+                        target, data, Tok()).generation_config
+    assert (fresh.tree_top_k, fresh.tree_total_tokens) == (10, 60)
     config.draft.draft_vocab_size = 12
     with pytest.raises(SystemExit, match="draft_vocab_size"):
         build_draft(config, target, data, Tok())

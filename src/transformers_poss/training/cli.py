@@ -190,14 +190,16 @@ def build_datasets(config: PosSTrainConfig, target, tokenizer, write: bool = Tru
 
 def build_draft(config: PosSTrainConfig, target, train_dataset, tokenizer):
     """A new draft for ``target``: specialists (and fc) optionally initialised from a trained draft, whose reduced
-    vocabulary map is then kept; otherwise the map is built from the training data's assistant tokens.
+    vocabulary map and draft-tree settings (``generation_config``'s ``tree_*``) are then kept; otherwise the map is
+    built from the training data's assistant tokens.
 
     A ``feature_layers`` draft started from a single-feature draft is a warm start: its ``feature_fc`` is fitted on
     the first training features (``feature_fc_init: fit``) or set to the identity on the highest layer."""
     from ..configuration_poss import PosSDraftConfig
     from ..modeling_poss import PosSDraftModel
     from .recipe_checks import draft_shape_fields
-    from .warm_start import feature_pairs, fit_feature_fc, init_specialists, is_warm_start, load_source
+    from .warm_start import (feature_pairs, fit_feature_fc, inherit_tree_settings, init_specialists, is_warm_start,
+                             load_source)
 
     spec = config.draft
     draft_config = PosSDraftConfig.for_target(
@@ -210,6 +212,8 @@ def build_draft(config: PosSTrainConfig, target, train_dataset, tokenizer):
         source = load_source(spec.init_from)
         warm = is_warm_start(draft, source)
         init_specialists(draft, source, feature_fc=spec.feature_fc_init)
+        settings = inherit_tree_settings(draft, source)
+        logger.info("draft-tree settings of %s kept: %s", spec.init_from, settings)
         if warm and spec.feature_fc_init == "fit":
             share = fit_feature_fc(draft, feature_pairs(train_dataset, draft, target))
             logger.info("warm start from %s: feature_fc fitted onto the post-norm feature (R^2 %.4f)", spec.init_from,

@@ -149,6 +149,17 @@ def fit_feature_fc(draft, pairs, ridge: float = 1e-4) -> float:
     return 1.0 - residual / total if total > 0 else 1.0
 
 
+def inherit_tree_settings(draft, source) -> dict:
+    """Give ``draft`` the draft-tree settings ``source`` was saved with (every ``tree_*`` field of its
+    ``generation_config``: shape, budget, context candidates), so that a draft continued from a saved one drafts as
+    that one did; returns what was set."""
+    settings = {k: v for k, v in source.generation_config.to_dict().items()
+                if k.startswith("tree_") and k != "tree_record_rounds"}
+    for key, value in settings.items():
+        setattr(draft.generation_config, key, value)
+    return settings
+
+
 @torch.no_grad()
 def init_specialists(draft, source, copy_fc: bool = True, copy_token_map: bool = True, feature_fc: str = "identity"):
     """Initialise ``draft``'s specialists from ``source``: a trained draft (or its folder, or an official checkpoint).
