@@ -11,8 +11,8 @@
 # Every stage is timed from the start of the script so that the whole sitting ends near END_S seconds. A draft's step
 # is timed before the other two trainings load the GPU, so the six-step drafts size their schedules to 1 / SHARE of
 # the stage's time (SHARE: how much slower a step runs with three trainings on the GPU) and every training stops at
-# 1.15 x the stage's time (max_train_minutes). The drafts land in RUNS/KIND/final (float32); with OUT set, each is also written there in
-# bf16 as it is shipped, as soon as its stage ends.
+# 1.15 x the stage's time (max_train_minutes). The drafts land in RUNS/KIND/final (float32); with OUT set, each is
+# also written there in bf16 as it is shipped, as soon as its stage ends.
 #
 #   bash examples/smollm2_drafts/gpu_sitting.sh                         # START=drafts/eagle2-smollm2-135m-instruct
 #   END_S=900 DATA_MIN=4 NEW_PROMPTS=12000 bash examples/smollm2_drafts/gpu_sitting.sh
@@ -34,7 +34,8 @@ OLD=$(zcat $DATA/conversations.jsonl.gz | wc -l)
 LIMIT=(); STEPS1=(); STEPS2=()
 if [ -n "$SMALL" ]; then LIMIT=(--max_conversations 96); STEPS1=(--max_steps 3); STEPS2=(--max_steps 3); fi
 budget() {  # MINUTES [SHARE]: a schedule sized to MINUTES / SHARE of a step timed alone, stopped at 1.15 x MINUTES
-  awk -v m="$1" -v s="${2:-1}" 'BEGIN { printf "--train_budget_minutes %.2f --max_train_minutes %.2f", m / s, m * 1.15 + 0.2 }'
+  awk -v m="$1" -v s="${2:-1}" \
+    'BEGIN { printf "--train_budget_minutes %.2f --max_train_minutes %.2f", m / s, m * 1.15 + 0.2 }'
 }
 ship() {  # KIND: RUNS/KIND/final in bf16 (as shipped) under OUT/KIND, saved by the draft itself (card included)
   [ -n "$OUT" ] || return 0
@@ -87,7 +88,8 @@ for kind in "${kinds[@]}"; do
   # shellcheck disable=SC2046
   $PY -m transformers_poss train "${COMMON[@]}" --output_dir "$R/$kind" --init_from "$R/eagle2/final" \
     --num_specialists "$S" --positions_per_specialist "$N" --learning_rate 1e-4 --warmup_steps 20 \
-    --fc_learning_rate_scale $fc $(budget "$B2" "$share") --num_train_epochs 20 --per_device_train_batch_size "$BATCH2" \
+    --fc_learning_rate_scale $fc $(budget "$B2" "$share") --num_train_epochs 20 \
+    --per_device_train_batch_size "$BATCH2" \
     --logging_steps 100 --save_steps 100000 --dataloader_num_workers 4 "${STEPS2[@]}" >"$R/logs/$kind.log" 2>&1 &
   pids+=($!)
 done
