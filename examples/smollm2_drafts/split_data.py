@@ -5,9 +5,9 @@ The shipped EAGLE-2 draft was trained on the first 5,200 conversations of
 conversations are drawn (seeded) from the ones after them and before ``--heldout-upto`` (21,200: the file's length
 when the held-out set was first drawn), so the same conversations stay held out as the data grows: every draft, old
 or new, is then measured on text it never trained on. The training file holds every other conversation in a seeded
-random order, so that ``data.max_conversations`` (a prefix) is a random sample of the whole set. A conversation that `make_data.py` continued
-with a follow-up turn (``followups.jsonl.gz``) is trained on in its two-turn form, which contains the one-turn one;
-held-out conversations stay one-turn:
+random order, so that ``data.max_conversations`` (a prefix) is a random sample of the whole set. A conversation that
+`make_data.py` continued with a follow-up turn (``followups.jsonl.gz``) is trained on in its two-turn form, which
+contains the one-turn one; held-out conversations stay one-turn:
 
     python examples/smollm2_drafts/split_data.py --out ~/.cache/transformers-poss/runs/split
     poss train --config examples/smollm2_drafts/recipe.yaml --train ~/.cache/.../split/train.jsonl.gz \
