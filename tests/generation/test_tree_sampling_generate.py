@@ -67,7 +67,7 @@ def test_the_automatic_budget_shapes_sampled_trees_and_keeps_the_distribution(sa
 
 
 def test_a_wrong_residual_fails_the_same_test(sampling_target, monkeypatch):
-    monkeypatch.setattr(rejection, "residual_distribution", lambda target, draft: target)
+    monkeypatch.setattr(rejection, "residual_weights", lambda target, draft, *masses: target)
     torch.manual_seed(0)
     counts, _ = sample_counts(sampling_target, sampled_draft(sampling_target, depth=3, top_k=3, total=8), PROMPT, 600)
     joint = exact_joint(sampling_target, PROMPT, LogitsProcessorList())

@@ -52,9 +52,19 @@ def test_recursive_rejection_keeps_the_target_distribution(case):
     assert bool((choice >= 0).any())
 
 
+def test_residual_weights_are_the_normalised_residual_up_to_scale():
+    gen = torch.Generator().manual_seed(3)
+    p, q = torch.rand(5, 50, generator=gen), torch.rand(5, 50, generator=gen)
+    q[:, 30:] = 0.0  # a draft support smaller than the vocabulary
+    expected = rejection.residual_distribution(p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True))
+    weights = rejection.residual_weights(p, q, p.sum(-1), q.sum(-1))
+    assert bool((weights >= 0).all()) and bool((weights[:, :30] == 0).any())
+    torch.testing.assert_close(weights / weights.sum(-1, keepdim=True), expected)
+
+
 def test_a_wrong_residual_fails_the_same_test(monkeypatch):
     """Negative control: keeping p after a rejection (instead of norm(max(p - q_i, 0))) is caught."""
-    monkeypatch.setattr(rejection, "residual_distribution", lambda target, draft: target)
+    monkeypatch.setattr(rejection, "residual_weights", lambda target, draft, *masses: target)
     for case in ("skewed", "close"):
         q, k = CASES[case]
         _, token = _sample(q, k)
@@ -188,7 +198,7 @@ def test_sampled_trees_keep_the_target_distribution(tiny_draft, case):
 
 
 def test_a_wrong_residual_fails_the_tree_test(tiny_draft, monkeypatch):
-    monkeypatch.setattr(rejection, "residual_distribution", lambda target, draft: target)
+    monkeypatch.setattr(rejection, "residual_weights", lambda target, draft, *masses: target)
     shape, settings = TREE_CASES["d3-k3-8"]
     _, accepted, table, processors = _sampled_rows(tiny_draft, shape, settings)
     first = torch.bincount(accepted.tokens[torch.arange(ROWS), accepted.width - accepted.counts], minlength=SMALL)

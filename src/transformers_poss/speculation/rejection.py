@@ -58,6 +58,15 @@ def residual_distribution(target: torch.Tensor, draft: torch.Tensor) -> torch.Te
     return torch.where(mass > 1e-12, residual / mass.clamp(min=1e-30), target)
 
 
+def residual_weights(target: torch.Tensor, draft: torch.Tensor, target_mass: torch.Tensor,
+                     draft_mass: torch.Tensor) -> torch.Tensor:
+    """Weights `[N, V]` proportional to ``max(target / target_mass - draft / draft_mass, 0)``: the residual of
+    `residual_distribution` for unnormalised weights and their masses `[N]`, without normalising (scaled by
+    ``draft_mass``, so the weights stay of the order of the draft's)."""
+    scale = (draft_mass / target_mass.clamp(min=1e-30))[:, None]
+    return torch.mul(target, scale).sub_(draft).clamp_(min=0.0)
+
+
 def recursive_rejection_sample(
     target_probs: torch.FloatTensor,
     draft_probs: torch.FloatTensor,
@@ -80,28 +89,46 @@ def recursive_rejection_sample(
         emitted token (the accepted child, or a draw from the final residual).
 
     The loop runs over the ``k`` child slots (at most ``tree_top_k``); every step is vectorised over the ``N`` nodes.
+    ``p_i`` and ``q_i`` are kept as unnormalised weights with their masses `[N]` (a removed child only lowers the
+    draft's mass, a rejection costs one pass over the vocabulary for the residual and one for its mass), the loop
+    stops once no node is still trying a child, and the final residual is drawn from only for the nodes that
+    rejected every child.
     """
     p = target_probs.float()
     q = draft_probs.float()
     if q.shape[-1] < p.shape[-1]:
         q = torch.nn.functional.pad(q, (0, p.shape[-1] - q.shape[-1]))
-    q = q / q.sum(dim=-1, keepdim=True).clamp(min=1e-30)
     n, k = child_tokens.shape
+    p_mass, q_mass = p.sum(dim=-1), q.sum(dim=-1)  # [N]
     choice = torch.full((n,), -1, dtype=torch.long, device=p.device)
     uniforms = torch.rand(n, max(k, 1), generator=generator, device=p.device)
     searching = torch.ones(n, dtype=torch.bool, device=p.device)
+    q_owned = False  # q is copied before its first in-place removal
     for i in range(k):
         token = child_tokens[:, i : i + 1]
         q_token = q.gather(1, token)[:, 0]
         trying = searching & child_valid[:, i] & (q_token > 0)
-        ratio = p.gather(1, token)[:, 0] / q_token.clamp(min=1e-30)
+        if not bool(trying.any()):  # children are a prefix of each row and ``searching`` only shrinks
+            break
+        ratio = p.gather(1, token)[:, 0] * q_mass / (q_token * p_mass).clamp(min=1e-30)  # p_i(x) / q_i(x)
         accepted = trying & (uniforms[:, i] < ratio)
         choice = torch.where(accepted, i, choice)
         searching = searching & ~accepted
-        rejected = (trying & ~accepted)[:, None]
-        p = torch.where(rejected, residual_distribution(p, q), p)
-        removed = q.scatter(1, token, 0.0)
-        q = torch.where(rejected, removed / removed.sum(dim=-1, keepdim=True).clamp(min=1e-30), q)
-    drawn = sample_rows(p, generator)
-    picked = child_tokens.gather(1, choice.clamp(min=0)[:, None])[:, 0] if k > 0 else drawn
-    return choice, torch.where(choice >= 0, picked, drawn)
+        rejected = trying & ~accepted
+        if not bool(rejected.any()):
+            continue
+        residual = residual_weights(p, q, p_mass, q_mass)
+        p = residual if bool(rejected.all()) else torch.where(rejected[:, None], residual, p)
+        p_mass = torch.where(rejected, p.sum(dim=-1), p_mass)
+        if not q_owned:
+            q, q_owned = q.clone(), True
+        q.scatter_(1, token, torch.where(rejected, 0.0, q_token)[:, None])  # q_{i+1}: x_i removed where rejected
+        q_mass = torch.where(rejected, q_mass - q_token, q_mass).clamp_(min=0.0)
+    picked = child_tokens.gather(1, choice.clamp(min=0)[:, None])[:, 0] if k > 0 else choice
+    token = picked.clone()
+    redraw = choice < 0
+    if bool(redraw.all()):
+        token = sample_rows(p, generator)
+    elif bool(redraw.any()):
+        token[redraw] = sample_rows(p[redraw], generator)
+    return choice, token
