@@ -62,6 +62,19 @@ def test_residual_weights_are_the_normalised_residual_up_to_scale():
     torch.testing.assert_close(weights / weights.sum(-1, keepdim=True), expected)
 
 
+def test_a_residual_without_mass_keeps_the_target(monkeypatch):
+    """A residual that rounds to no mass (unreachable in exact arithmetic) must not turn into a draw from zero
+    weights: the node keeps p, so every emitted token stays in p's support."""
+    monkeypatch.setattr(rejection, "residual_weights", lambda target, draft, *masses: torch.zeros_like(target))
+    p, q = torch.tensor([0.4, 0.3, 0.3, 0.0]), torch.tensor([0.1, 0.1, 0.2, 0.6])
+    gen = torch.Generator().manual_seed(0)
+    children, logq = gumbel_top_k(q.log()[None].expand(4000, 4), 2, gen)
+    choice, token = recursive_rejection_sample(p[None].expand(4000, 4), q[None].expand(4000, 4), children,
+                                               torch.isfinite(logq), gen)  # fmt: skip
+    assert bool((choice < 0).any())
+    assert int(token.max()) < 3
+
+
 def test_a_wrong_residual_fails_the_same_test(monkeypatch):
     """Negative control: keeping p after a rejection (instead of norm(max(p - q_i, 0))) is caught."""
     monkeypatch.setattr(rejection, "residual_weights", lambda target, draft, *masses: target)

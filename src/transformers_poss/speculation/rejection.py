@@ -118,8 +118,11 @@ def recursive_rejection_sample(
         if not bool(rejected.any()):
             continue
         residual = residual_weights(p, q, p_mass, q_mass)
-        p = residual if bool(rejected.all()) else torch.where(rejected[:, None], residual, p)
-        p_mass = torch.where(rejected, p.sum(dim=-1), p_mass)
+        residual_mass = residual.sum(dim=-1)
+        # a residual without mass cannot be reached (a rejection there has probability 0): such rows keep p
+        moved = rejected & (residual_mass > 1e-12 * q_mass)
+        p = residual if bool(moved.all()) else torch.where(moved[:, None], residual, p)
+        p_mass = torch.where(moved, residual_mass, p_mass)
         if not q_owned:
             q, q_owned = q.clone(), True
         q.scatter_(1, token, torch.where(rejected, 0.0, q_token)[:, None])  # q_{i+1}: x_i removed where rejected
