@@ -7,6 +7,7 @@ step of the same target for comparison:
 
     python examples/host_overhead.py --rounds 200 --depth 6 --top-k 4 --total-tokens 16
     python examples/host_overhead.py --context-candidates 8   # trees with continuations copied from the context
+    python examples/host_overhead.py --temperature 1 --tree-sampling draft_probabilities   # sampled rounds
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def main() -> None:
     parser.add_argument("--total-tokens", "--total_tokens", type=int, default=16)
     parser.add_argument("--context-candidates", type=int, default=0,
                         help="tokens per continuation copied from the context (tree_context_candidates; 0: off)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampling at it")
+    parser.add_argument("--tree-sampling", "--tree_sampling", choices=("target_only", "draft_probabilities"),
+                        default="target_only", help="acceptance rule of sampled rounds (tree_sampling)")
     parser.add_argument("--repeats", type=int, default=5, help="measurements; the median is printed")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -48,12 +52,14 @@ def main() -> None:
     gen = draft.generation_config
     gen.tree_depth, gen.tree_top_k, gen.tree_total_tokens = args.depth, args.top_k, args.total_tokens
     gen.tree_context_candidates = args.context_candidates
+    gen.tree_sampling = args.tree_sampling
     ids = torch.randint(3, target.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
-    plain_kwargs = dict(max_new_tokens=args.rounds, min_new_tokens=args.rounds, do_sample=False)
+    sampling = dict(do_sample=True, temperature=args.temperature, top_k=0) if args.temperature > 0 else {}
+    plain_kwargs = {"max_new_tokens": args.rounds, "min_new_tokens": args.rounds, "do_sample": False, **sampling}
 
     per_phase: dict[str, list[float]] = {}
     plain_steps, rounds_seen = [], []
-    target.generate(ids, assistant_model=draft, max_new_tokens=8, do_sample=False)  # warm-up
+    target.generate(ids, assistant_model=draft, max_new_tokens=8, **{"do_sample": False, **sampling})  # warm-up
     for _ in range(args.repeats):
         start = time.perf_counter()
         target.generate(ids, **plain_kwargs)
@@ -66,7 +72,8 @@ def main() -> None:
         for phase, seconds in stats.timings.items():
             per_phase.setdefault(phase, []).append(seconds / rounds)
     print(f"tiny target and draft, depth {args.depth}, top-k {args.top_k}, {args.total_tokens} nodes, "
-          f"{statistics.median(rounds_seen):.0f} rounds, context candidates {args.context_candidates}, {args.threads} "
+          f"{statistics.median(rounds_seen):.0f} rounds, context candidates {args.context_candidates}, "
+          f"{'greedy' if not sampling else f'temperature {args.temperature}, {args.tree_sampling}'}, {args.threads} "
           f"thread(s), medians of {args.repeats}:")
     total = 0.0
     for phase, values in per_phase.items():
