@@ -59,7 +59,7 @@ def main() -> None:
 
     per_phase: dict[str, list[float]] = {}
     plain_steps, rounds_seen = [], []
-    target.generate(ids, assistant_model=draft, max_new_tokens=8, **{"do_sample": False, **sampling})  # warm-up
+    target.generate(ids, assistant_model=draft, **{**plain_kwargs, "max_new_tokens": 8, "min_new_tokens": 8})  # warm-up
     for _ in range(args.repeats):
         start = time.perf_counter()
         target.generate(ids, **plain_kwargs)

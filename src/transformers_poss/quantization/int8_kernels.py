@@ -313,11 +313,7 @@ def _time_kernels(state: KernelState, num_rows: int, kernels: tuple[str, ...], r
     rows = QuantizedRows(torch.randn(num_rows, state.weight_int8_t.shape[0], generator=generator))
     for kernel in kernels:
         state.product(rows, kernel)  # warm-up (packs fbgemm's or oneDNN's weight)
-    first = {}
-    for kernel in kernels:
-        start = time.perf_counter()
-        state.product(rows, kernel)
-        first[kernel] = time.perf_counter() - start
+    first = {kernel: _timed_product(state, rows, kernel) for kernel in kernels}
     # a kernel far slower than the best in one call is out at once, without repeats (oneDNN's int8 GEMM on a CPU
     # it has no fast path for took 100-3000x the others' time: seconds per choice for the vocabulary head)
     kernels = tuple(k for k in kernels if first[k] <= SCREEN_FACTOR * min(first.values()))
@@ -326,10 +322,15 @@ def _time_kernels(state: KernelState, num_rows: int, kernels: tuple[str, ...], r
     best = dict.fromkeys(kernels, float("inf"))
     for _ in range(repeats):
         for kernel in kernels:
-            start = time.perf_counter()
-            state.product(rows, kernel)
-            best[kernel] = min(best[kernel], time.perf_counter() - start)  # the least disturbed run
+            best[kernel] = min(best[kernel], _timed_product(state, rows, kernel))  # the least disturbed run
     return min(best, key=best.get)
+
+
+def _timed_product(state: KernelState, rows: QuantizedRows, kernel: str) -> float:
+    """Seconds of one ``kernel`` product of ``rows``."""
+    start = time.perf_counter()
+    state.product(rows, kernel)
+    return time.perf_counter() - start
 
 
 def kernel_choices() -> dict[str, str]:

@@ -53,9 +53,10 @@ def sample_rows(weights: torch.Tensor, generator: torch.Generator | None = None)
 def residual_distribution(target: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
     """``norm(max(target - draft, 0))`` over the last dimension (`[N, V]`); rows with no mass left stay ``target``
     (they cannot be reached: a rejection there has probability 0)."""
-    residual = (target - draft).clamp(min=0.0)
+    draft_mass = draft.sum(dim=-1)
+    residual = residual_weights(target, draft, target.sum(dim=-1), draft_mass)
     mass = residual.sum(dim=-1, keepdim=True)
-    return torch.where(mass > 1e-12, residual / mass.clamp(min=1e-30), target)
+    return torch.where(mass > 1e-12 * draft_mass[:, None], residual / mass.clamp(min=1e-30), target)
 
 
 def residual_weights(target: torch.Tensor, draft: torch.Tensor, target_mass: torch.Tensor,
@@ -127,11 +128,10 @@ def recursive_rejection_sample(
             q, q_owned = q.clone(), True
         q.scatter_(1, token, torch.where(rejected, 0.0, q_token)[:, None])  # q_{i+1}: x_i removed where rejected
         q_mass = torch.where(rejected, q_mass - q_token, q_mass).clamp_(min=0.0)
-    picked = child_tokens.gather(1, choice.clamp(min=0)[:, None])[:, 0] if k > 0 else choice
-    token = picked.clone()
     redraw = choice < 0
     if bool(redraw.all()):
-        token = sample_rows(p, generator)
-    elif bool(redraw.any()):
+        return choice, sample_rows(p, generator)
+    token = child_tokens.gather(1, choice.clamp(min=0)[:, None])[:, 0]
+    if bool(redraw.any()):
         token[redraw] = sample_rows(p[redraw], generator)
     return choice, token
