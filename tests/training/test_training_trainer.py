@@ -115,6 +115,27 @@ def test_feature_shards_resume(tmp_path):
     assert len(FeatureShardDataset(tmp_path)) == 6
 
 
+def test_feature_shards_log_progress_where_no_bar_shows(tmp_path, caplog):
+    from transformers.utils import logging as hf_logging
+
+    target, data = tiny_llama(), _sequences(7)
+    write_feature_shards(target, data, tmp_path, sequences_per_shard=3, progress=False)
+    (tmp_path / "shard-00001.safetensors").unlink()
+    hf_logging.disable_progress_bar()
+    try:
+        with caplog.at_level("INFO", logger="transformers_poss"):
+            write_feature_shards(target, data, tmp_path, sequences_per_shard=3)
+            lines = [r.getMessage() for r in caplog.records if r.name.endswith("features")]
+            caplog.clear()
+            write_feature_shards(target, data, tmp_path, sequences_per_shard=3, progress=False)
+            assert not [r for r in caplog.records if r.name.endswith("features")]  # progress=False: silent
+    finally:
+        hf_logging.enable_progress_bar()
+    # only the recomputed shard is reported, with its place, the rate and the time left
+    assert len(lines) == 1 and "shard 2/3, 6/7 sequences" in lines[0], lines
+    assert "tokens/s" in lines[0] and "min left" in lines[0]
+
+
 def test_feature_shards_from_other_data_are_recomputed(tmp_path):
     target = tiny_llama()
     write_feature_shards(target, _sequences(2, seed=3), tmp_path, sequences_per_shard=3, progress=False)

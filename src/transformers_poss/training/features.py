@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers.utils import logging
 from transformers.utils.logging import tqdm  # off with transformers' switch (`poss --no-progress`)
 
 from .feature_inputs import (PosSDataCollator, TargetFeatures, batch_to, check_feature_layout, describe_layers,
@@ -34,6 +36,8 @@ __all__ = ["TargetFeatures", "PosSDataCollator", "batch_to", "draft_inputs", "wr
 
 INDEX_FILE = "features.json"
 _UNSET = object()
+
+logger = logging.get_logger(__name__)
 
 
 def target_fingerprint(target) -> str:
@@ -173,10 +177,13 @@ def write_feature_shards(target, dataset, output_dir, batch_size: int = 8, seque
     total = len(dataset)
     shards = []
     bar = tqdm(total=total, desc="target features", unit="seq", disable=not progress)
+    report = _ShardReport(total, -(-total // sequences_per_shard), output_dir, quiet=not progress or not bar.disable)
     for shard_index, start in enumerate(range(0, total, sequences_per_shard)):
         path = output_dir / f"shard-{shard_index:05d}.safetensors"
         items = [dataset[i] for i in range(start, min(total, start + sequences_per_shard))]
-        if not _shard_matches(path, items, fingerprint, layers):
+        tokens = sum(len(i["input_ids"]) for i in items)
+        computed = not _shard_matches(path, items, fingerprint, layers)
+        if computed:
             features, last = [None] * len(items), [None] * len(items)
             order = sorted(range(len(items)), key=lambda i: len(items[i]["input_ids"]))
             for b in range(0, len(order), batch_size):
@@ -189,8 +196,9 @@ def write_feature_shards(target, dataset, output_dir, batch_size: int = 8, seque
                     features[i] = out[row, : len(items[i]["input_ids"])]
                     last[i] = post[row, : len(items[i]["input_ids"])]
             _write_shard(path, items, features, dtype, fingerprint, last if store_last else None, layers)
-        shards.append({"file": path.name, "sequences": len(items), "tokens": sum(len(i["input_ids"]) for i in items)})
+        shards.append({"file": path.name, "sequences": len(items), "tokens": tokens})
         bar.update(len(items))
+        report.shard_done(len(items), tokens, computed)
     bar.close()
     config = getattr(target, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -210,6 +218,29 @@ def write_feature_shards(target, dataset, output_dir, batch_size: int = 8, seque
         index["last_hidden_state"] = "stored" if store_last else {"slot": slot}
     (output_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
     return index
+
+
+class _ShardReport:
+    """One log line per shard computed (where no progress bar shows, e.g. output to a log file): sequences done, the
+    rate of the shards computed in this call and the time left at that rate."""
+
+    def __init__(self, total: int, num_shards: int, output_dir: Path, quiet: bool):
+        self.total, self.num_shards, self.name, self.quiet = total, num_shards, output_dir.name, quiet
+        self.done = self.shards = self.computed = self.tokens = 0
+        self.seconds, self.last = 0.0, time.perf_counter()
+
+    def shard_done(self, sequences: int, tokens: int, computed: bool) -> None:
+        now = time.perf_counter()
+        self.done, self.shards = self.done + sequences, self.shards + 1
+        if computed:
+            self.computed, self.tokens = self.computed + sequences, self.tokens + tokens
+            self.seconds += now - self.last
+        self.last = now
+        if self.quiet or not computed or self.seconds <= 0:
+            return
+        left = (self.total - self.done) * self.seconds / self.computed
+        logger.info(f"target features ({self.name}): shard {self.shards}/{self.num_shards}, {self.done}/{self.total} "
+                    f"sequences, {self.tokens / self.seconds:,.0f} tokens/s, about {left / 60:.0f} min left")
 
 
 class FeatureShardDataset(torch.utils.data.Dataset):
