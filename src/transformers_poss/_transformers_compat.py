@@ -10,8 +10,8 @@ Checked: ``GenerationMixin._assisted_decoding`` / ``_validate_generation_mode`` 
 ``_get_candidate_generator`` (the bench's round recorder) and ``_supports_logits_to_keep`` (verification forwards).
 Attributes read at run time (``config._attn_implementation``, ``generation_config._pad_token_tensor`` /
 ``_mask_length``) go through the accessors below as well. ``Trainer._save_checkpoint`` / ``_get_output_dir``
-(overridden by the atomic checkpoints of `training.checkpoints`) are checked by `check_trainer` when that module is
-imported.
+(overridden by the atomic checkpoints of `training.checkpoints`) and ``_get_train_sampler`` (`PosSTrainer`'s
+length-grouped batches) are checked by `check_trainer` when `training.checkpoints` is imported.
 """
 
 from __future__ import annotations
@@ -141,11 +141,12 @@ def set_mask_length(generation_config, length: int) -> None:
 # ------------------------------------------------------------------------------------------------ Trainer
 # the Trainer methods `training.checkpoints.AtomicCheckpointMixin` overrides (checked when that module is imported,
 # so that importing the package does not import the Trainer)
-TRAINER_PARAMETERS: dict[str, tuple[str, ...]] = {"_save_checkpoint": ("model", "trial"), "_get_output_dir": ("trial",)}
+TRAINER_PARAMETERS: dict[str, tuple[str, ...]] = {"_save_checkpoint": ("model", "trial"), "_get_output_dir": ("trial",),
+                                                   "_get_train_sampler": ("train_dataset",)}
 
 
 def check_trainer() -> None:
-    """One `ImportError` when a Trainer method the atomic checkpoints override is missing or changed."""
+    """One `ImportError` when a Trainer method the atomic checkpoints or `PosSTrainer` override is missing or changed."""
     from transformers import Trainer
 
     check_transformers({(Trainer, name): parameters for name, parameters in TRAINER_PARAMETERS.items()})

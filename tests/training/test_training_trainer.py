@@ -136,6 +136,34 @@ def test_feature_shards_log_progress_where_no_bar_shows(tmp_path, caplog):
     assert "tokens/s" in lines[0] and "min left" in lines[0]
 
 
+def _padded_tokens(batches):
+    return sum(b["input_ids"].numel() for b in batches)
+
+
+def test_batches_group_by_length_from_the_shards_offsets(tmp_path, monkeypatch):
+    """The default sampler batches sequences of similar lengths, reading the lengths from the shards' offsets (no
+    item loaded to build it); every sequence comes once an epoch, and the batches pad less than random ones."""
+    target, data = tiny_llama(), _sequences(48, seed=5)
+    write_feature_shards(target, data, tmp_path / "shards", sequences_per_shard=16, progress=False)
+    stored = FeatureShardDataset(tmp_path / "shards")
+    assert stored.lengths == [len(item["input_ids"]) for item in data]
+    draft = tiny_draft(target, num_specialists=1, positions_per_specialist=1).train()
+
+    def loader(**kwargs):
+        trainer = PosSTrainer(model=draft, args=_args(tmp_path, **kwargs), target=target, train_dataset=stored)
+        return trainer.get_train_dataloader()
+
+    reads = []
+    original = FeatureShardDataset.__getitem__
+    monkeypatch.setattr(FeatureShardDataset, "__getitem__", lambda self, i: reads.append(i) or original(self, i))
+    grouped_loader = loader()
+    order = list(grouped_loader.sampler)
+    assert not reads  # the sampler was built and ran without loading a sequence
+    assert sorted(order) == list(range(48))
+    grouped, shuffled = list(grouped_loader), list(loader(train_sampling_strategy="random"))
+    assert _padded_tokens(grouped) < 0.97 * _padded_tokens(shuffled)
+
+
 def test_feature_shards_from_other_data_are_recomputed(tmp_path):
     target = tiny_llama()
     write_feature_shards(target, _sequences(2, seed=3), tmp_path, sequences_per_shard=3, progress=False)

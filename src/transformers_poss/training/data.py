@@ -243,6 +243,11 @@ class ConversationDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.examples)
 
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens of every example (what ``train_sampling_strategy="group_by_length"`` batches by)."""
+        return [len(e["input_ids"]) for e in self.examples]
+
     def __getitem__(self, index: int) -> dict:
         return self.examples[index]
 

@@ -316,6 +316,12 @@ class FeatureShardDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self._locations)
 
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens of every stored sequence, from the shards' offsets (no features read): what
+        ``train_sampling_strategy="group_by_length"`` batches by."""
+        return [end - start for _, start, end in self._locations]
+
     def _handle(self, name):
         if name not in self._handles:
             self._handles[name] = safe_open(str(self.directory / name), framework="pt")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_pt_utils import LengthGroupedSampler
 from transformers.utils import logging
 
 from .checkpoints import AtomicCheckpointMixin
@@ -64,6 +65,9 @@ class PosSTrainingArguments(ObjectiveFields, TrainingArguments):
             before training and ``max_steps`` is set to the steps that fit (at most ``num_train_epochs`` epochs), so the
             learning-rate schedule always runs to its end. The choice is stored in ``output_dir/schedule.json`` and
             reused when a run resumes.
+        train_sampling_strategy (`str`): ``"group_by_length"`` by default (transformers: ``"random"``): batches of
+            sequences of similar lengths in a random order, so a batch pads to little more than its own lengths
+            (the lengths come from the dataset's ``lengths`` where it has them).
         max_train_minutes (`float`, *optional*): hard wall-time limit of one `train()` call; when it is reached the
             run stops after the current step (the learning-rate schedule is cut short) and ``train()`` returns.
     """
@@ -87,6 +91,12 @@ class PosSTrainingArguments(ObjectiveFields, TrainingArguments):
     warmup_steps: float = field(default=0.01, metadata={"help": "Warmup steps, or a ratio of all steps if < 1."})
     max_grad_norm: float = field(default=0.0, metadata={"help": "Clip by norm (0: off; clipping is by value)."})
     remove_unused_columns: bool = field(default=False, metadata={"help": "Keep the draft's training inputs."})
+    train_sampling_strategy: str = field(
+        default="group_by_length",
+        metadata={"help": "Sampler: 'group_by_length' (default: batches of similar lengths, little padding), 'random', "
+                          "'sequential' or 'batch_rebalance'.",
+                  "choices": ["random", "sequential", "group_by_length", "batch_rebalance"]},
+    )
     bf16: bool | None = field(
         default=None,
         metadata={"help": "bf16 mixed precision (autocast; weights stay float32). Unset: on where it measures faster "
@@ -336,6 +346,17 @@ class PosSTrainer(AtomicCheckpointMixin, Trainer):
             return seconds
         value = torch.tensor([seconds], device=self.accelerator.device)
         return float(self.accelerator.reduce(value, reduction="max"))
+
+    def _get_train_sampler(self, train_dataset=None):
+        """transformers' sampler, except that ``train_sampling_strategy="group_by_length"`` (the default here) takes
+        the lengths a dataset knows (``dataset.lengths``: `FeatureShardDataset` reads them from its shards' offsets)
+        instead of loading every item, features included, to measure it."""
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        lengths = getattr(dataset, "lengths", None)
+        if self.args.train_sampling_strategy != "group_by_length" or lengths is None:
+            return super()._get_train_sampler(train_dataset)
+        return LengthGroupedSampler(self.args.train_batch_size * self.args.gradient_accumulation_steps,
+                                    lengths=list(lengths))
 
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         if getattr(self.args, "train_budget_minutes", None) and self.args.max_steps <= 0:
