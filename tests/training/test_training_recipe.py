@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import motif_sequences, tiny_draft, tiny_llama
-from transformers_poss.training.schedule import load_schedule, steps_for_budget, time_training_steps
+from transformers_poss.training.schedule import load_schedule, steps_for_budget, time_training_steps, timing_batches
 from transformers_poss.training.trainer import PosSTrainer, PosSTrainingArguments, init_specialists
 from transformers_poss.vocab import set_token_map
 
@@ -157,6 +157,45 @@ def test_budget_sizes_the_schedule_so_it_ends(tmp_path, monkeypatch):
                         args=_args(tmp_path, train_budget_minutes=0.5, num_train_epochs=100), train_dataset=_sequences(16))
     again.train()
     assert again.state.global_step == 4
+
+
+def test_timing_batches_are_scaled_to_the_epochs_mean_padded_size():
+    lengths = [10] * 8 + [100] * 8
+    order = list(range(8, 16)) + list(range(8))  # longest first, as length-grouped batches start
+    for cap, mean in ((None, (400 + 400 + 40 + 40) / 4), (50, (200 + 200 + 40 + 40) / 4)):
+        torch.manual_seed(0)
+        batches, scale = timing_batches(lengths, order, batch_size=4, max_length=cap)
+        assert sorted(map(sorted, batches)) == [list(range(i, i + 4)) for i in (0, 4, 8, 12)]  # 4 of the 4 batches
+        timed = [4 * min(cap or 1000, max(lengths[i] for i in b)) for b in batches[1:]]  # the first one warms up
+        assert scale * sum(timed) / len(timed) == pytest.approx(mean)
+    batches, scale = timing_batches([7] * 12, list(range(12)), batch_size=4)
+    assert len(batches) == 3 and scale == 1.0  # equal batches: the timed ones are the epoch's mean
+
+
+def test_budget_times_batches_of_the_whole_epoch(tmp_path, monkeypatch):
+    """A dataset that knows its lengths gets its schedule from the epoch's mean padded batch, not from its first
+    batches (with length-grouped batches the longest come first)."""
+    import transformers_poss.training.schedule as schedule
+    from transformers_poss.training.features import FeatureShardDataset, write_feature_shards
+
+    target = tiny_llama()
+    data = _sequences(12, seed=4)
+    for item in data[:3]:  # the first batch: three long sequences and a short one; the two others short
+        item["input_ids"], item["assistant_mask"] = item["input_ids"].repeat(4), item["assistant_mask"].repeat(4)
+    write_feature_shards(target, data, tmp_path / "shards", progress=False)
+    stored = FeatureShardDataset(tmp_path / "shards")
+    padded = lambda batches: sum(b["loss_mask"].numel() for b in batches) / len(batches)  # noqa: E731
+    monkeypatch.setattr(schedule, "time_training_steps", lambda step, batches, warmup=1: 1e-3 * padded(batches[1:]))
+    draft = tiny_draft(target, num_specialists=1, positions_per_specialist=1).train()
+    trainer = PosSTrainer(model=draft, target=target, train_dataset=stored,
+                          args=_args(tmp_path, train_budget_minutes=10, num_train_epochs=1,
+                                     train_sampling_strategy="sequential"))
+    trainer.train()
+    lengths = stored.lengths
+    epoch_mean = sum(4 * max(lengths[i : i + 4]) for i in range(0, 12, 4)) / 3
+    seconds = json.loads((tmp_path / "out" / "schedule.json").read_text())["seconds_per_step"]
+    assert seconds == pytest.approx(1e-3 * epoch_mean)
+    assert seconds > 1e-3 * 4 * max(lengths[4:])  # not the short batches' time (the first one only warms up)
 
 
 def test_budget_is_capped_by_epochs(tmp_path, monkeypatch):

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["steps_for_budget", "time_training_steps", "load_schedule", "save_schedule", "SCHEDULE_FILE"]
+__all__ = ["steps_for_budget", "time_training_steps", "timing_batches", "load_schedule", "save_schedule",
+           "SCHEDULE_FILE"]
 
 SCHEDULE_FILE = "schedule.json"
 
@@ -44,6 +45,27 @@ def time_training_steps(step, batches, warmup: int = 1) -> float:
         for batch in batches[warmup:]:
             step(batch)
         return (time.perf_counter() - start) / (len(batches) - warmup)
+
+
+def timing_batches(lengths, order, batch_size: int, count: int = 4, max_length: int | None = None,
+                   warmup: int = 1) -> tuple[list[list[int]], float]:
+    """``count`` batches of dataset indices to time training steps on, drawn at random from an epoch's batches,
+    and the factor from the padded size of the timed ones (all but the first ``warmup``) to an epoch's mean.
+
+    The first batches of an epoch can be far from its mean (length-grouped batches start with the longest
+    sequences), so a schedule sized on them would end well before its budget. A batch's padded size is its rows
+    times its longest sequence (at most ``max_length``), which the step time follows.
+
+    Args:
+        lengths: tokens of every sequence of the dataset.
+        order: the sampler's indices for one epoch.
+    """
+    cap = max_length or math.inf
+    batches = [list(order[i : i + batch_size]) for i in range(0, len(order), batch_size)]
+    sizes = [len(b) * min(cap, max(lengths[i] for i in b)) for b in batches]
+    picked = torch.randperm(len(batches))[: max(count, warmup + 1)].tolist()
+    timed = [sizes[j] for j in picked[warmup:]] or [sizes[picked[0]]]
+    return [batches[j] for j in picked], (sum(sizes) / len(sizes)) / (sum(timed) / len(timed))
 
 
 def load_schedule(output_dir, budget_minutes: float) -> dict | None:

@@ -307,18 +307,25 @@ class PosSTrainer(AtomicCheckpointMixin, Trainer):
 
     def _budget_steps(self) -> int:
         """``max_steps`` for ``train_budget_minutes`` (timed on a few training batches; stored for resumed runs)."""
-        from .schedule import load_schedule, save_schedule, steps_for_budget, time_training_steps
+        from .schedule import load_schedule, save_schedule, steps_for_budget, time_training_steps, timing_batches
 
         budget = self.args.train_budget_minutes
         record = load_schedule(self.args.output_dir, budget)
         if record is None:
             loader = self.get_train_dataloader()
             steps_per_epoch = max(1, len(loader) // max(1, self.args.gradient_accumulation_steps))
-            batches = []
-            for batch in loader:
-                batches.append(batch)
-                if len(batches) == 4:
-                    break
+            lengths, scale = getattr(self.train_dataset, "lengths", None), 1.0
+            if lengths is not None:  # batches drawn from the whole epoch, and its mean padded size
+                with torch.random.fork_rng(devices=[]):
+                    chosen, scale = timing_batches(lengths, list(self._get_train_sampler()),
+                                                   self.args.train_batch_size, max_length=self.args.max_length)
+                batches = [self.data_collator([self.train_dataset[i] for i in b]) for b in chosen]
+            else:
+                batches = []
+                for batch in loader:
+                    batches.append(batch)
+                    if len(batches) == 4:
+                        break
             model = self.model.to(self.args.device)
             model.train()
 
@@ -327,7 +334,7 @@ class PosSTrainer(AtomicCheckpointMixin, Trainer):
                 loss.backward()
                 model.zero_grad(set_to_none=True)
 
-            seconds = time_training_steps(step, batches) * self.args.gradient_accumulation_steps
+            seconds = time_training_steps(step, batches) * scale * self.args.gradient_accumulation_steps
             self._train_metrics.clear()
             seconds = self._agree_across_processes(seconds)
             steps = steps_for_budget(seconds, budget, steps_per_epoch, self.args.num_train_epochs)
