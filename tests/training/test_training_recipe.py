@@ -169,7 +169,10 @@ def test_timing_batches_are_scaled_to_the_epochs_mean_padded_size():
         timed = [4 * min(cap or 1000, max(lengths[i] for i in b)) for b in batches[1:]]  # the first one warms up
         assert scale * sum(timed) / len(timed) == pytest.approx(mean)
     batches, scale = timing_batches([7] * 12, list(range(12)), batch_size=4)
-    assert len(batches) == 3 and scale == 1.0  # equal batches: the timed ones are the epoch's mean
+    assert len(batches) == 4 and sorted(map(sorted, batches[:3])) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert scale == 1.0  # equal batches: the timed ones are the epoch's mean
+    batches, scale = timing_batches([5, 9], [1, 0], batch_size=2)  # one batch: timed again after the warm-up
+    assert batches == [[1, 0]] * 4 and scale == 1.0
 
 
 def test_budget_times_batches_of_the_whole_epoch(tmp_path, monkeypatch):

@@ -49,8 +49,8 @@ def time_training_steps(step, batches, warmup: int = 1) -> float:
 
 def timing_batches(lengths, order, batch_size: int, count: int = 4, max_length: int | None = None,
                    warmup: int = 1) -> tuple[list[list[int]], float]:
-    """``count`` batches of dataset indices to time training steps on, drawn at random from an epoch's batches,
-    and the factor from the padded size of the timed ones (all but the first ``warmup``) to an epoch's mean.
+    """``count`` batches of dataset indices to time training steps on, drawn at random from an epoch's batches (some
+    twice if it has fewer), and the factor from the padded size of the timed ones (all but the first ``warmup``) to an epoch's mean.
 
     The first batches of an epoch can be far from its mean (length-grouped batches start with the longest
     sequences), so a schedule sized on them would end well before its budget. A batch's padded size is its rows
@@ -63,8 +63,9 @@ def timing_batches(lengths, order, batch_size: int, count: int = 4, max_length: 
     cap = max_length or math.inf
     batches = [list(order[i : i + batch_size]) for i in range(0, len(order), batch_size)]
     sizes = [len(b) * min(cap, max(lengths[i] for i in b)) for b in batches]
-    picked = torch.randperm(len(batches))[: max(count, warmup + 1)].tolist()
-    timed = [sizes[j] for j in picked[warmup:]] or [sizes[picked[0]]]
+    shuffled = torch.randperm(len(batches)).tolist()
+    picked = [shuffled[i % len(shuffled)] for i in range(max(count, warmup + 1))]  # an epoch of few batches: again
+    timed = [sizes[j] for j in picked[warmup:]]
     return [batches[j] for j in picked], (sum(sizes) / len(sizes)) / (sum(timed) / len(timed))
 
 

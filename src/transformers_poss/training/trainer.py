@@ -318,7 +318,8 @@ class PosSTrainer(AtomicCheckpointMixin, Trainer):
             if lengths is not None:  # batches drawn from the whole epoch, and its mean padded size
                 with torch.random.fork_rng(devices=[]):
                     chosen, scale = timing_batches(lengths, list(self._get_train_sampler()),
-                                                   self.args.train_batch_size, max_length=self.args.max_length)
+                                                   self.args.train_batch_size,
+                                                   max_length=getattr(self.args, "max_length", None))
                 batches = [self.data_collator([self.train_dataset[i] for i in b]) for b in chosen]
             else:
                 batches = []
