@@ -288,6 +288,30 @@ def test_fitted_warm_start(tmp_path):
         assert error(fitted) < error(identity)
 
 
+def test_a_wider_mlp_starts_as_the_source_and_trains_its_new_units(tmp_path):
+    """intermediate_size above the source's: the same outputs at step 0, and the new units move once trained."""
+    target = tiny_llama(layers=LAYERS)
+    eagle = randomize_norms(tiny_draft(target, num_specialists=1, seed=7))
+    set_token_map(eagle, torch.arange(5, 69))
+    narrow = eagle.config.intermediate_size
+    wide = init_specialists(tiny_draft(target, num_specialists=2, positions_per_specialist=1,
+                                       intermediate_size=3 * narrow, seed=3), eagle)
+    down = wide.layers[1].mlp.down_proj.weight
+    assert down.shape[1] == 3 * narrow and not down[:, narrow:].any()
+    ids = torch.randint(0, 128, (2, 10))
+    with torch.no_grad():
+        for s in range(2):
+            torch.testing.assert_close(wide(ids, _post_norm(target, ids), specialist=s).last_hidden_state,
+                                       eagle(ids, _post_norm(target, ids), specialist=0).last_hidden_state)
+    new_rows = wide.layers[0].mlp.up_proj.weight[narrow:].clone()
+    PosSTrainer(model=wide, args=_args(tmp_path, max_steps=3), target=target,
+                train_dataset=motif_sequences(12)).train()
+    assert wide.layers[0].mlp.down_proj.weight[:, narrow:].abs().sum() > 0
+    assert not torch.equal(wide.layers[0].mlp.up_proj.weight[narrow:], new_rows)
+    with pytest.raises(ValueError, match=f"intermediate_size={narrow} from a draft with intermediate_size={3 * narrow}"):
+        init_specialists(tiny_draft(target), wide)
+
+
 def test_incompatible_sources_are_refused():
     target = tiny_llama(layers=LAYERS)
     e3 = tiny_draft(target, num_specialists=1, feature_layers=[1, 2, 4])

@@ -14,8 +14,12 @@ start.
   ~10x the post-norm feature's norm), so the identity start drafts nothing useful (top-1 agreement 0.00 at depth 1
   with the EAGLE-2 draft's layer, against 0.58 after a fit on 11k tokens and 0.67 for the EAGLE-2 draft itself).
 
-Other sources are refused with a message (another target's shape, another layer style, other feature layers, a
-multi-layer source into a single-feature draft).
+- A wider MLP (``intermediate_size`` above the source's): each layer's gate and up rows and down columns are copied
+  into the first units and the new down columns start at zero, so the new draft computes exactly the source's
+  function and training grows the new units from there (`grow_mlp`).
+
+Other sources are refused with a message (another target's shape, a narrower MLP, another layer style, other
+feature layers, a multi-layer source into a single-feature draft).
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from .feature_inputs import describe_layers, draft_feature_layers
 logger = logging.get_logger(__name__)
 
 __all__ = ["init_specialists", "is_warm_start", "load_source", "set_feature_fc_identity", "fit_feature_fc",
-           "feature_pairs"]
+           "feature_pairs", "grow_mlp"]
 
-_SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
+_SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
 
 
 def load_source(source):
@@ -53,6 +57,10 @@ def is_warm_start(draft, source) -> bool:
         if getattr(mine, name, None) != getattr(theirs, name, None):
             raise ValueError(f"Cannot initialise from a draft with {name}={getattr(theirs, name, None)} "
                              f"(this draft has {getattr(mine, name, None)}): both must be drafts for the same target.")
+    if mine.intermediate_size < theirs.intermediate_size:
+        raise ValueError(f"Cannot initialise an MLP of intermediate_size={mine.intermediate_size} from a draft with "
+                         f"intermediate_size={theirs.intermediate_size}: a draft can start from one as wide or narrower "
+                         "(set intermediate_size to at least the source's).")
     style, source_style = getattr(mine, "layer_style", "eagle2"), getattr(theirs, "layer_style", "eagle2")
     if style != source_style:
         raise ValueError(f"Cannot initialise {style!r} layers from a draft with {source_style!r} layers: start from a "
@@ -149,6 +157,30 @@ def fit_feature_fc(draft, pairs, ridge: float = 1e-4) -> float:
     return 1.0 - residual / total if total > 0 else 1.0
 
 
+def grow_mlp(source_layer: dict, layer: dict) -> dict:
+    """A layer's state dict with the source layer's MLP in the first units of a wider one.
+
+    Args:
+        source_layer: the trained layer's state dict (``mlp.gate_proj.weight`` / ``mlp.up_proj.weight`` ``[I_s, H]``,
+            ``mlp.down_proj.weight`` ``[H, I_s]``).
+        layer: the wider layer's state dict (``[I, H]`` / ``[H, I]``, ``I > I_s``), whose new gate and up rows are
+            kept as initialised.
+    Returns:
+        ``source_layer`` with the MLP weights widened: gate / up rows ``[:I_s]`` and down columns ``[:I_s]`` from the
+        source, down columns ``[I_s:]`` zero, so the layer's output is the source's exactly. The new units get a
+        gradient through their down columns from the first step.
+    """
+    grown = dict(source_layer)
+    for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+        rows = layer[name].clone()
+        rows[: source_layer[name].shape[0]] = source_layer[name]
+        grown[name] = rows
+    down = torch.zeros_like(layer["mlp.down_proj.weight"])
+    down[:, : source_layer["mlp.down_proj.weight"].shape[1]] = source_layer["mlp.down_proj.weight"]
+    grown["mlp.down_proj.weight"] = down
+    return grown
+
+
 def inherit_tree_settings(draft, source) -> dict:
     """Give ``draft`` the draft-tree settings ``source`` was saved with (every ``tree_*`` field of its
     ``generation_config``: shape, budget, context candidates), so that a draft continued from a saved one drafts as
@@ -176,7 +208,10 @@ def init_specialists(draft, source, copy_fc: bool = True, copy_token_map: bool =
     if feature_fc not in ("identity", "fit", "keep"):
         raise ValueError(f"feature_fc must be 'identity', 'fit' or 'keep', got {feature_fc!r}.")
     for i, layer in enumerate(draft.layers):
-        layer.load_state_dict(source.layers[min(i, len(source.layers) - 1)].state_dict())
+        theirs = source.layers[min(i, len(source.layers) - 1)].state_dict()
+        if draft.config.intermediate_size > source.config.intermediate_size:
+            theirs = grow_mlp(theirs, layer.state_dict())
+        layer.load_state_dict(theirs)
     if copy_fc:
         theirs = source.state_dict()
         shared = {k: v for k, v in draft.state_dict().items() if not k.startswith("layers.") and k != "draft_to_target"}
