@@ -13,7 +13,8 @@ from transformers_poss.bench import build_report, finish, load_questions, mismat
 from transformers_poss.bench.run import partial_note
 from transformers_poss.bench.methods import (GenerationSettings, Method, MethodResult, Prompt, baseline_method,
                                              prompt_lookup_method, record_candidate_rounds, result_from_generate)
-from transformers_poss.bench.metrics import (PromptRecord, first_mismatch, position_acceptance, position_rounds,
+from transformers_poss.bench.metrics import (PromptRecord, first_mismatch, position_acceptance, position_reach,
+                                             position_rounds,
                                              summarize, time_split)
 
 
@@ -79,6 +80,10 @@ def test_report_layout_and_lossless_methods(model, prompts):
     assert lookup["mean_acceptance_length"] > 1.0
     assert lookup["position_acceptance"] and all(r is None or 0 <= r <= 1 for r in lookup["position_acceptance"])
     assert len(lookup["position_rounds"]) == len(lookup["position_acceptance"])
+    # over the rounds that offered a draft (position 1's): they accepted every draft token there is
+    accepted = sum(sum(row["accepted_lengths"]) - len(row["accepted_lengths"]) for row in lookup["per_prompt"])
+    assert accepted > 0
+    assert sum(lookup["position_reach"]) * lookup["position_rounds"][0] == pytest.approx(accepted, rel=1e-3)
     assert mismatch_report(report) == []
     assert "cpu" in report["environment"] and report["environment"]["versions"]["torch"]
     json.dumps(report)  # JSON-ready
@@ -145,10 +150,15 @@ def test_position_acceptance_pooling():
     rounds = _record(MethodResult([0] * 10, accepted_lengths=[1, 2, 3, 4] * 6, drafted_lengths=[3, 3, 3, 3] * 6))
     assert position_acceptance([rounds]) == [0.75, pytest.approx(2 / 3, abs=1e-4), 0.5]
     assert position_rounds([rounds]) == [24, 18, 12]
+    # at least i drafts accepted, over all 24 rounds: the shares sum to the mean accepted drafts per round (1.5)
+    assert position_reach([rounds]) == [0.75, 0.5, 0.25] and sum(position_reach([rounds])) == pytest.approx(1.5)
     # exact counts are summed over prompts before dividing
     a = _record(MethodResult([0], position_counts=([10, 0], [20, 10])))
     b = _record(MethodResult([0], position_counts=([30, 20, 10], [40, 30, 20])))
     assert position_acceptance([a, b]) == [pytest.approx(4 / 6, abs=1e-4), 0.5, 0.5]
+    assert position_reach([a, b]) == [pytest.approx(40 / 60, abs=1e-4), pytest.approx(20 / 60, abs=1e-4),
+                                      pytest.approx(10 / 60, abs=1e-4)]
+    assert position_reach([_record(MethodResult([0]))]) is None
     assert position_acceptance([_record(MethodResult([0]))]) is None
 
 

@@ -149,6 +149,20 @@ def position_acceptance(records: list[PromptRecord]) -> list[float | None] | Non
     return [_mean(values[i] for values in lists if len(values) > i) for i in range(depth)]
 
 
+def position_reach(records: list[PromptRecord]) -> list[float] | None:
+    """Pooled share of rounds that accepted at least i draft tokens, at each draft position i.
+
+    Unlike `position_acceptance`, every position is over the same rounds (all that offered position 1), so drafts can
+    be compared position by position even when their earlier positions differ; the shares sum to the mean number of
+    accepted draft tokens per round (the mean acceptance length minus the target's own token).
+    """
+    counts = _pooled_counts(records) or _pooled_rounds(records)
+    if counts is None or not counts[1] or counts[1][0] == 0:
+        return None
+    rounds = counts[1][0]
+    return [round(a / rounds, 4) for a in counts[0]]
+
+
 def time_split(records: list[PromptRecord]) -> dict | None:
     """Seconds and shares per reported phase plus ``other`` (the rest), summed over prompts; None if not reported."""
     splits = [(r.result.time_split, r.seconds) for r in records if r.result.time_split]
@@ -231,6 +245,7 @@ def method_report(records: list[PromptRecord], baseline: list[PromptRecord], inf
     entry.update({
         "position_acceptance": position_acceptance(records),
         "position_rounds": position_rounds(records),
+        "position_reach": position_reach(records),
         "mismatches": [{"question_id": r.prompt.question_id, "file": r.prompt.file, "first_mismatch": r.first_mismatch}
                        for r in records if r.identical is False],
         "time_split": time_split(records),
