@@ -173,6 +173,16 @@ def test_timing_batches_are_scaled_to_the_epochs_mean_padded_size():
     assert scale == 1.0  # equal batches: the timed ones are the epoch's mean
     batches, scale = timing_batches([5, 9], [1, 0], batch_size=2)  # one batch: timed again after the warm-up
     assert batches == [[1, 0]] * 4 and scale == 1.0
+    # many batches: drawn from the quarter nearest the mean padded size, so the factor stays near 1
+    lengths = [8 * (1 + i % 64) for i in range(4096)]
+    order = sorted(range(4096), key=lambda i: lengths[i])
+    sizes = sorted(4 * lengths[i] for i in order[::4])
+    for seed in range(5):
+        torch.manual_seed(seed)
+        batches, scale = timing_batches(lengths, order, batch_size=4)
+        assert 0.8 < scale < 1.25
+        for batch in batches:
+            assert sizes[len(sizes) // 4] <= 4 * max(lengths[i] for i in batch) <= sizes[-len(sizes) // 4]
 
 
 def test_budget_times_batches_of_the_whole_epoch(tmp_path, monkeypatch):
