@@ -138,6 +138,7 @@ def test_poss_train_warm_starts_a_feature_layers_draft(tmp_path, tiny_chat_targe
 
     eagle = PosSDraftModel(PosSDraftConfig.for_target(model.config)).attach_target(model)
     eagle.generation_config.tree_top_k = 3  # a tuned tree setting, kept by the draft continued from it
+    eagle.generation_config.tree_depth = 1  # below the new draft's training depth (2): raised to it
     eagle.save_pretrained(tmp_path / "eagle2")
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps(c) for c in _conversations(8)))
@@ -153,7 +154,7 @@ def test_poss_train_warm_starts_a_feature_layers_draft(tmp_path, tiny_chat_targe
     assert index["feature_layers"] == [0] and index["last_hidden_state"] == "stored"
     draft = PosSDraftModel.from_pretrained(out / "final")
     assert draft.config.feature_layers == [0] and draft.feature_fc is not None
-    assert draft.generation_config.tree_top_k == 3
+    assert draft.generation_config.tree_top_k == 3 and draft.generation_config.tree_depth == 2
     torch.testing.assert_close(draft.layers[0].mlp.up_proj.weight, eagle.layers[0].mlp.up_proj.weight, rtol=0.2,
                                atol=0.05)  # started from the EAGLE-2 layer (two steps later)
     recipe = json.loads((out / "final" / "training_recipe.json").read_text())["config"]

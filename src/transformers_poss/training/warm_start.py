@@ -184,9 +184,18 @@ def grow_mlp(source_layer: dict, layer: dict) -> dict:
 def inherit_tree_settings(draft, source) -> dict:
     """Give ``draft`` the draft-tree settings ``source`` was saved with (every ``tree_*`` field of its
     ``generation_config``: shape, budget, context candidates), so that a draft continued from a saved one drafts as
-    that one did; returns what was set."""
+    that one did; returns what was set.
+
+    The depth is at least ``draft``'s training depth: a six-step PosS draft started from a one-step EAGLE-2 draft
+    saved with ``tree_depth=1`` would otherwise never draft the positions its specialists were trained for.
+    """
     settings = {k: v for k, v in source.generation_config.to_dict().items()
                 if k.startswith("tree_") and k != "tree_record_rounds"}
+    depth = draft.config.training_depth
+    if isinstance(settings.get("tree_depth"), int) and settings["tree_depth"] < depth:
+        logger.info("tree_depth %d of the source raised to this draft's training depth %d", settings["tree_depth"],
+                    depth)
+        settings["tree_depth"] = depth
     for key, value in settings.items():
         setattr(draft.generation_config, key, value)
     return settings
