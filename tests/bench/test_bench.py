@@ -531,7 +531,7 @@ def test_cli_bench_sweep_runs_each_shape_with_and_without_context_candidates(tin
     assert all(entry["identical_to_baseline"] == 2 for entry in methods.values())
 
 
-def test_cli_bench_compares_both_tree_sampling_modes_when_sampling(tiny_target_dir, model, tmp_path):
+def test_cli_bench_compares_both_tree_sampling_modes_when_sampling(tiny_target_dir, model, tmp_path, capsys):
     from helpers import tiny_draft
 
     tiny_draft(model).save_pretrained(tmp_path / "draft")
@@ -554,3 +554,4 @@ def test_cli_bench_compares_both_tree_sampling_modes_when_sampling(tiny_target_d
                                      "both", "--temperature", "1", "--no-prompt-lookup", "--no-plots", "--no-progress",
                                      "--output", str(out)])
     assert status == 0 and list(json.loads(out.read_text())["methods"]) == ["baseline", "mine"]
+    assert "mine: only the target-only rule is measured" in capsys.readouterr().err

@@ -152,6 +152,11 @@ def build_methods(args, target) -> list:
         draft = quantized(load_draft(source, target), args.quantize)  # int8 drafts keep their own attention
         variants = {"draft": [(label, None)], "off": [(label, False)], "on": [(label, True)],
                     "both": [(label, False), (f"{label}+context", True)]}[args.context_candidates]
+        if args.tree_sampling == "both":
+            cut = [name for name, context in variants if len(_sampling_variants(args, draft, context)) == 1]
+            if cut:
+                print(f"{', '.join(cut)}: only the target-only rule is measured (draft_probabilities refuses trees "
+                      "with context candidates; --context-candidates off measures both rules)", file=sys.stderr)
         if not args.sweep:
             for name, context in variants:
                 for suffix, sampling in _sampling_variants(args, draft, context):
