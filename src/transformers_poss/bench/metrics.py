@@ -125,9 +125,14 @@ def _pooled_rounds(records: list[PromptRecord]) -> tuple[list[int], list[int]] |
     return accepted, reached
 
 
+def _position_counts(records: list[PromptRecord]) -> tuple[list[int], list[int]] | None:
+    """Per-position (accepted, reached) counts: exact ones where the method reports them, else from its rounds."""
+    return _pooled_counts(records) or _pooled_rounds(records)
+
+
 def position_rounds(records: list[PromptRecord]) -> list[int] | None:
     """At each draft position i, the rounds that reached it (the count behind each position-wise rate)."""
-    counts = _pooled_counts(records) or _pooled_rounds(records)
+    counts = _position_counts(records)
     return list(counts[1]) if counts else None
 
 
@@ -139,7 +144,7 @@ def position_acceptance(records: list[PromptRecord]) -> list[float | None] | Non
     Uses exact per-position counts when the method reports them, else per-round offered/accepted lengths, else the
     mean of per-prompt rates.
     """
-    counts = _pooled_counts(records) or _pooled_rounds(records)
+    counts = _position_counts(records)
     if counts is not None:
         return [round(a / p, 4) if p >= MIN_POSITION_ROUNDS else None for a, p in zip(*counts)]
     lists = [r.result.position_acceptance for r in records if r.result.position_acceptance]
@@ -156,7 +161,7 @@ def position_reach(records: list[PromptRecord]) -> list[float] | None:
     be compared position by position even when their earlier positions differ; the shares sum to the mean number of
     accepted draft tokens per round (the mean acceptance length minus the target's own token).
     """
-    counts = _pooled_counts(records) or _pooled_rounds(records)
+    counts = _position_counts(records)
     if counts is None or not counts[1] or counts[1][0] == 0:
         return None
     rounds = counts[1][0]

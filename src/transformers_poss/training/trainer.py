@@ -13,6 +13,7 @@ A plain `transformers.Trainer` already trains a draft on offline features (the d
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections import defaultdict
@@ -322,11 +323,7 @@ class PosSTrainer(AtomicCheckpointMixin, Trainer):
                                                    max_length=getattr(self.args, "max_length", None))
                 batches = [self.data_collator([self.train_dataset[i] for i in b]) for b in chosen]
             else:
-                batches = []
-                for batch in loader:
-                    batches.append(batch)
-                    if len(batches) == 4:
-                        break
+                batches = list(itertools.islice(loader, 4))
             model = self.model.to(self.args.device)
             model.train()
 
