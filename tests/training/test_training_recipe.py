@@ -159,6 +159,40 @@ def test_budget_sizes_the_schedule_so_it_ends(tmp_path, monkeypatch):
     assert again.state.global_step == 4
 
 
+def test_budget_times_steps_in_the_precision_they_train_in(tmp_path, monkeypatch):
+    """The timed steps run under the bf16 autocast of the training steps (accelerate applies it to the prepared
+    model, which the timing does not use): timed in float32, a bf16 schedule was sized at 2.3x its step time and
+    ended after 43% of its budget."""
+    seen = {"timing": set(), "training": set()}
+    phase = ["timing"]
+
+    def recording(module, args):  # inside the model's forward, where accelerate's autocast applies
+        if module.training:
+            seen[phase[0]].add(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+
+    import transformers_poss.training.schedule as schedule
+
+    time_steps = schedule.time_training_steps
+
+    def timed(step, batches, warmup=1):
+        seconds = time_steps(step, batches, warmup)
+        phase[0] = "training"
+        return seconds
+
+    monkeypatch.setattr(schedule, "time_training_steps", timed)
+    target = tiny_llama()
+    for bf16 in (True, False):
+        seen["timing"].clear(), seen["training"].clear()
+        phase[0] = "timing"
+        draft = tiny_draft(target, num_specialists=1, positions_per_specialist=1).train()
+        draft.layers[0].register_forward_pre_hook(recording)
+        out = tmp_path / str(bf16)
+        trainer = PosSTrainer(model=draft, target=target, train_dataset=_sequences(8),
+                              args=_args(out, train_budget_minutes=0.05, num_train_epochs=1, bf16=bf16))
+        trainer.train()
+        assert seen["timing"] == seen["training"] == {bf16}
+
+
 def test_timing_batches_are_scaled_to_the_epochs_mean_padded_size():
     lengths = [10] * 8 + [100] * 8
     order = list(range(8, 16)) + list(range(8))  # longest first, as length-grouped batches start

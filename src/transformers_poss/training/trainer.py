@@ -327,8 +327,9 @@ class PosSTrainer(AtomicCheckpointMixin, Trainer):
             model = self.model.to(self.args.device)
             model.train()
 
-            def step(batch):
-                loss = self.compute_loss(model, self._prepare_inputs(batch))
+            def step(batch):  # under the mixed precision of training (accelerate applies it to the prepared model)
+                with self.accelerator.autocast():
+                    loss = self.compute_loss(model, self._prepare_inputs(batch))
                 loss.backward()
                 model.zero_grad(set_to_none=True)
 
