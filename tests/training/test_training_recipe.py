@@ -182,7 +182,8 @@ def test_budget_times_steps_in_the_precision_they_train_in(tmp_path, monkeypatch
     monkeypatch.setattr(schedule, "time_training_steps", timed)
     target = tiny_llama()
     for bf16 in (True, False):
-        seen["timing"].clear(), seen["training"].clear()
+        for states in seen.values():
+            states.clear()
         phase[0] = "timing"
         draft = tiny_draft(target, num_specialists=1, positions_per_specialist=1).train()
         draft.layers[0].register_forward_pre_hook(recording)
