@@ -152,22 +152,22 @@ def build_methods(args, target) -> list:
         draft = quantized(load_draft(source, target), args.quantize)  # int8 drafts keep their own attention
         variants = {"draft": [(label, None)], "off": [(label, False)], "on": [(label, True)],
                     "both": [(label, False), (f"{label}+context", True)]}[args.context_candidates]
-        if args.tree_sampling == "both":
-            cut = [name for name, context in variants if len(_sampling_variants(args, draft, context)) == 1]
-            if cut:
-                print(f"{', '.join(cut)}: only the target-only rule is measured (draft_probabilities refuses trees "
-                      "with context candidates; --context-candidates off measures both rules)", file=sys.stderr)
+        variants = [(name, context, _sampling_variants(args, draft, context)) for name, context in variants]
+        cut = [name for name, _, samplings in variants if args.tree_sampling == "both" and len(samplings) == 1]
+        if cut:
+            print(f"{', '.join(cut)}: only the target-only rule is measured (draft_probabilities refuses trees "
+                  "with context candidates; --context-candidates off measures both rules)", file=sys.stderr)
         if not args.sweep:
-            for name, context in variants:
-                for suffix, sampling in _sampling_variants(args, draft, context):
+            for name, context, samplings in variants:
+                for suffix, sampling in samplings:
                     methods.append(draft_method(name + suffix, target, draft, source, args.tree_depth,
                                                 args.tree_top_k, args.tree_total_tokens, context=context,
                                                 sampling=sampling))
             continue
         for depth in args.sweep_depths:
             for total in args.sweep_total_tokens:
-                for name, context in variants:  # every shape with and / or without context candidates
-                    for suffix, sampling in _sampling_variants(args, draft, context):
+                for name, context, samplings in variants:  # every shape with and / or without context candidates
+                    for suffix, sampling in samplings:
                         method = draft_method(f"{name}{suffix}[d={depth},n={total}]", target, draft, source, depth,
                                               args.tree_top_k, total, context=context, sampling=sampling)
                         method.info.update({"sweep": True, "draft": name + suffix})
