@@ -42,10 +42,10 @@ def test_loss_goes_down_online(tmp_path):
 
 def test_time_limit_stops_training_and_returns(tmp_path, monkeypatch):
     """`max_train_minutes` ends the run after the step that crosses the limit; train() returns normally."""
-    import transformers_poss.training.trainer as trainer_module
+    import transformers_poss.training.callbacks as callbacks_module
 
     clock = iter(range(0, 10_000, 25))  # every reading is 25 s after the previous one
-    monkeypatch.setattr(trainer_module.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(callbacks_module.time, "monotonic", lambda: float(next(clock)))
     target = tiny_llama()
     draft = tiny_draft(target, num_specialists=2, positions_per_specialist=1).train()
     trainer = PosSTrainer(model=draft, args=_args(tmp_path, num_train_epochs=10, max_train_minutes=1.0),
@@ -53,7 +53,7 @@ def test_time_limit_stops_training_and_returns(tmp_path, monkeypatch):
     result = trainer.train()
     # started at t = 0; steps end at 25, 50, 75 s: the third crosses the 60 s limit
     assert result.global_step == 3 and trainer.state.max_steps == 40
-    callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, trainer_module.TimeLimitCallback))
+    callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, callbacks_module.TimeLimitCallback))
     assert callback.stopped_at_step == 3
 
 
