@@ -2,8 +2,10 @@
 
     python examples/training_throughput.py --conversations conv.jsonl --target smollm2-135m-instruct --batch-size 8
 
-Positions are sequence positions (pairs) processed; assistant positions are those that carry loss. ``--precision
-auto`` adds the bf16 rows where bf16 measures faster than float32 on this machine (what `poss train` then uses).
+Positions are sequence positions (pairs) processed, padding included; real positions leave the padding out, and
+assistant positions are those that carry loss. ``--precision auto`` adds the bf16 rows where bf16 measures faster than
+float32 on this machine (what `poss train` then uses). ``--group-by-length`` batches the stored features longest
+first, as `poss train`'s default length-grouped sampler does, instead of in file order.
 """
 
 import argparse
@@ -39,9 +41,9 @@ def make_draft(target, dataset, specialists, per, vocab):
     return draft
 
 
-def timed_steps(draft, batches, features=None, pad=0, bf16=False):
+def timed_steps(draft, batches, features=None, pad=0, bf16=False, real_counts=None):
     """Optimiser steps over ``batches`` (under bf16 autocast if ``bf16``); returns (positions/s, assistant
-    positions/s)."""
+    positions/s), and real positions/s too when ``real_counts`` (unpadded positions per batch) is given."""
     optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-5)
     positions = masked = 0
     start = time.perf_counter()
@@ -58,6 +60,8 @@ def timed_steps(draft, batches, features=None, pad=0, bf16=False):
         optimizer.zero_grad()
         masked += int(batch["loss_mask"].sum())
     seconds = time.perf_counter() - start
+    if real_counts is not None:
+        return positions / seconds, masked / seconds, sum(real_counts) / seconds
     return positions / seconds, masked / seconds
 
 
@@ -70,6 +74,8 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vocab", choices=("full", "8192", "both"), default="both",
                         help="draft vocabularies to measure (the full one is slow: minutes per row)")
+    parser.add_argument("--group-by-length", action="store_true",
+                        help="batch the stored features longest first (poss train's default) instead of in file order")
     parser.add_argument("--precision", choices=("auto", "float32", "bf16", "both"), default="auto",
                         help="auto: float32, plus bf16 where it measures faster here")
     args = parser.parse_args()
@@ -97,18 +103,26 @@ def main():
                 rate = feature_rate(autocast_folder, autocast=True)
             print(f"offline features, bf16 autocast: {rate:.0f} positions/s")
         stored = FeatureShardDataset(folder)
-        offline = [collate([stored[i] for i in range(b, min(len(stored), b + args.batch_size))])
-                   for b in range(0, len(stored), args.batch_size)]
+        items = [stored[i] for i in range(len(stored))]
+        if args.group_by_length:
+            items.sort(key=lambda item: -len(item["input_ids"]))
+        chunks = [items[b : b + args.batch_size] for b in range(0, len(items), args.batch_size)]
+        offline = [collate(chunk) for chunk in chunks]
+        real_counts = [sum(len(item["input_ids"]) for item in chunk) for chunk in chunks]
+        padded = sum(int(batch["input_ids"].numel()) for batch in offline)
+        print(f"offline batches: {padded} positions for {sum(real_counts)} real ones ({padded / sum(real_counts):.2f}x, "
+              f"{'grouped by length' if args.group_by_length else 'file order'})")
         online = [collate(dataset.examples[b : b + args.batch_size]) for b in range(0, len(dataset), args.batch_size)]
         vocabs = {"full": [None], "8192": [8192], "both": [None, 8192]}[args.vocab]
         for specialists, per, vocab in [(s, n, v) for v in vocabs for s, n in ((1, 1), (3, 2))]:
             for bf16 in modes:
                 draft = make_draft(target, dataset, specialists, per, vocab)
                 timed_steps(draft, offline[:1], bf16=bf16)  # warm-up
-                rate, masked = timed_steps(draft, offline, bf16=bf16)
+                rate, masked, real = timed_steps(draft, offline, bf16=bf16, real_counts=real_counts)
                 name = f"S={specialists} N={per} K={specialists * per} vocab={vocab or 'full'} " \
                        f"{'bf16' if bf16 else 'float32'}"
-                print(f"{name}: offline {rate:.0f} positions/s ({masked:.0f} assistant positions/s)", flush=True)
+                print(f"{name}: offline {rate:.0f} positions/s ({real:.0f} real, {masked:.0f} assistant positions/s)",
+                      flush=True)
                 if vocab is None:
                     rate, masked = timed_steps(draft, online, TargetFeatures(target), tokenizer.pad_token_id, bf16)
                     print(f"{name}: online  {rate:.0f} positions/s ({masked:.0f} assistant positions/s)", flush=True)

@@ -96,6 +96,53 @@ def test_chain_property_matches_tree_proposer(variant, specialists, per):
     torch.testing.assert_close(cumulative, tree.scores[1:].float(), rtol=1e-5, atol=1e-5)
 
 
+def test_default_attention_chunks_change_no_output():
+    """Steps >= 1 attend in chunks of ``attention_chunk_size`` queries (64 by default): sequences longer than several
+    chunks give the outputs of one chunk holding every query, and gradients match too."""
+    target = tiny_llama()
+    draft = tiny_draft(target, num_specialists=2, positions_per_specialist=2).double()
+    torch.manual_seed(4)
+    ids, feats = torch.randint(0, 128, (2, 150)), torch.randn(2, 150, 64, dtype=torch.float64)
+    assert ObjectiveConfig().attention_chunk_size == 64
+    outputs = unroll(draft, ids, feats, 4)
+    whole = unroll(draft, ids, feats, 4, chunk_size=150)
+    for chunked, single in zip(outputs, whole):
+        torch.testing.assert_close(chunked, single, rtol=1e-10, atol=1e-10)
+    grads = []
+    for chunk in (64, 150):
+        draft.zero_grad()
+        draft(ids, feats, loss_mask=torch.ones(2, 150), objective=ObjectiveConfig(noise="none",
+              attention_chunk_size=chunk)).loss.backward()
+        grads.append(draft.layers[1].mlp.up_proj.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("setting,training,autocast,expected", [
+    (True, True, True, True),     # training under autocast: the soft labels too
+    (False, True, True, False),   # turned off: float32 soft labels
+    (True, False, True, False),   # evaluation: always float32
+    (True, True, False, False),   # no autocast at all
+])
+def test_soft_labels_follow_the_step_autocast_only_in_training(monkeypatch, setting, training, autocast, expected):
+    from transformers_poss.training import objective as objective_module
+
+    seen = []
+    real = objective_module.soft_label_logits
+
+    def recording(draft, features):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return real(draft, features)
+
+    monkeypatch.setattr(objective_module, "soft_label_logits", recording)
+    target = tiny_llama()
+    draft = tiny_draft(target, num_specialists=1, positions_per_specialist=1).train(training)
+    ids, feats = torch.randint(0, 128, (2, 12)), torch.randn(2, 12, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = draft(ids, feats, loss_mask=torch.ones(2, 12), objective=ObjectiveConfig(soft_label_autocast=setting))
+    assert seen == [expected]
+    assert torch.isfinite(out.loss)
+
+
 def test_step_mask_rows():
     mask, ranges = step_attention_mask(2, 0, 6, 6, "cpu")
     # query 4 at step 2: context pairs 0..2, the step-1 row at 3 and the step-2 row at 4 (itself)
