@@ -131,13 +131,15 @@ def test_soft_labels_follow_the_step_autocast_only_in_training(monkeypatch, sett
 
     def recording(draft, features):
         seen.append(torch.is_autocast_enabled("cpu"))
+        if seen[-1]:  # the step's autocast dtype (float16 here), not the device's default (bfloat16 on a CPU)
+            assert torch.get_autocast_dtype("cpu") == torch.float16
         return real(draft, features)
 
     monkeypatch.setattr(objective_module, "soft_label_logits", recording)
     target = tiny_llama()
     draft = tiny_draft(target, num_specialists=1, positions_per_specialist=1).train(training)
     ids, feats = torch.randint(0, 128, (2, 12)), torch.randn(2, 12, 64)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
         out = draft(ids, feats, loss_mask=torch.ones(2, 12), objective=ObjectiveConfig(soft_label_autocast=setting))
     assert seen == [expected]
     assert torch.isfinite(out.loss)

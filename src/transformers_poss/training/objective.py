@@ -339,7 +339,7 @@ def training_forward(draft, input_ids, target_hidden_states, loss_mask, objectiv
     # one on CPUs with bf16 units), float32 otherwise and always in evaluation; their softmax is float32 either way
     device_type = pred_rows.device.type
     labels_autocast = objective.soft_label_autocast and draft.training and torch.is_autocast_enabled(device_type)
-    with torch.no_grad(), torch.autocast(device_type=device_type, enabled=labels_autocast):
+    with torch.no_grad(), torch.autocast(device_type=device_type, enabled=labels_autocast):  # the step's dtype
         target_logits = soft_label_logits(draft, pred_rows).float()  # [M0, V']
         target_probs = torch.softmax(target_logits, dim=-1)
         target_top1 = target_logits.argmax(-1)
