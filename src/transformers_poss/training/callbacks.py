@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 from transformers import TrainerCallback
 
-from .feature_inputs import TargetFeatures, batch_to, draft_feature_layers
+from .feature_inputs import TargetFeatures, batch_to, draft_feature_layers, with_target_features
 
 __all__ = ["ClipGradValueCallback", "TimeLimitCallback", "PositionAccuracyCallback", "evaluate_draft", "unwrap_draft"]
 
@@ -62,12 +62,8 @@ class PositionAccuracyCallback(TrainerCallback):
         self.history: list[dict] = []
 
     def _with_features(self, batch):
-        if "tokens" not in batch:
-            return batch
-        if self.features is None:
-            raise ValueError("Held-out batches without stored features need `target=`.")
-        return self.features.draft_inputs(batch["tokens"], batch["loss_mask"], batch["attention_mask"],
-                                          self.pad_token_id)
+        return with_target_features(batch, self.features, self.pad_token_id,
+                                    "Held-out batches without stored features need `target=`.")
 
     def _run(self, state, model):
         device = next(model.parameters()).device

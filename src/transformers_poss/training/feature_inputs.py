@@ -13,8 +13,8 @@ import torch
 
 from .data import pair_loss_mask
 
-__all__ = ["TargetFeatures", "PosSDataCollator", "batch_to", "draft_inputs", "check_feature_layout",
-           "describe_layers", "draft_feature_layers"]
+__all__ = ["TargetFeatures", "PosSDataCollator", "batch_to", "draft_inputs", "with_target_features",
+           "check_feature_layout", "describe_layers", "draft_feature_layers"]
 
 
 def draft_feature_layers(draft_or_config) -> list[int] | None:
@@ -90,6 +90,16 @@ class TargetFeatures:
         """The draft's training inputs for a token batch (see `draft_inputs`)."""
         features, last = self.compute(tokens, attention_mask)
         return draft_inputs(tokens, loss_mask, features, pad_token_id, None if last is features else last)
+
+
+def with_target_features(batch: dict, features: "TargetFeatures | None", pad_token_id: int, missing: str) -> dict:
+    """``batch`` ready for the draft's forward: a token batch (online features) gets the target's features from
+    ``features``, a batch with stored features passes through; a token batch without ``features`` raises ``missing``."""
+    if "tokens" not in batch:
+        return batch
+    if features is None:
+        raise ValueError(missing)
+    return features.draft_inputs(batch["tokens"], batch["loss_mask"], batch["attention_mask"], pad_token_id)
 
 
 def batch_to(batch: dict, device) -> dict:

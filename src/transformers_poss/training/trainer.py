@@ -25,7 +25,8 @@ from transformers.utils import logging
 
 from .callbacks import ClipGradValueCallback, PositionAccuracyCallback, TimeLimitCallback, evaluate_draft, unwrap_draft
 from .checkpoints import AtomicCheckpointMixin
-from .feature_inputs import PosSDataCollator, TargetFeatures, check_feature_layout, draft_feature_layers
+from .feature_inputs import (PosSDataCollator, TargetFeatures, check_feature_layout, draft_feature_layers,
+                             with_target_features)
 from .objective import OBJECTIVE_FIELDS, ObjectiveConfig, ObjectiveFields, check_objective, set_objective
 from .precision import bf16_pays
 from .warm_start import init_specialists
@@ -290,12 +291,9 @@ class PosSTrainer(AtomicCheckpointMixin, Trainer):
     # ------------------------------------------------------------------ loss
     def _with_features(self, inputs: dict) -> dict:
         """Add target features to a token batch (online); batches with stored features pass through."""
-        if "tokens" not in inputs:
-            return inputs
-        if self.target_features is None:
-            raise ValueError("This batch has no stored features: pass `target=` to PosSTrainer for online features.")
-        return self.target_features.draft_inputs(inputs["tokens"], inputs["loss_mask"], inputs["attention_mask"],
-                                                 self.pad_token_id)
+        return with_target_features(inputs, self.target_features, self.pad_token_id,
+                                    "This batch has no stored features: pass `target=` to PosSTrainer for online "
+                                    "features.")
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         outputs = model(**self._with_features(inputs))
