@@ -42,8 +42,9 @@ def make_draft(target, dataset, specialists, per, vocab):
 
 
 def timed_steps(draft, batches, features=None, pad=0, bf16=False, real_counts=None):
-    """Optimiser steps over ``batches`` (under bf16 autocast if ``bf16``); returns (positions/s, assistant
-    positions/s), and real positions/s too when ``real_counts`` (unpadded positions per batch) is given."""
+    """Optimiser steps over ``batches`` (under bf16 autocast if ``bf16``); returns (positions/s, real positions/s,
+    assistant positions/s). Real positions are ``real_counts`` (unpadded positions per batch) when given, else the
+    positions themselves."""
     optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-5)
     positions = masked = 0
     start = time.perf_counter()
@@ -60,9 +61,8 @@ def timed_steps(draft, batches, features=None, pad=0, bf16=False, real_counts=No
         optimizer.zero_grad()
         masked += int(batch["loss_mask"].sum())
     seconds = time.perf_counter() - start
-    if real_counts is not None:
-        return positions / seconds, masked / seconds, sum(real_counts) / seconds
-    return positions / seconds, masked / seconds
+    real = positions if real_counts is None else sum(real_counts)
+    return positions / seconds, real / seconds, masked / seconds
 
 
 def main():
@@ -109,22 +109,22 @@ def main():
         chunks = [items[b : b + args.batch_size] for b in range(0, len(items), args.batch_size)]
         offline = [collate(chunk) for chunk in chunks]
         real_counts = [sum(len(item["input_ids"]) for item in chunk) for chunk in chunks]
-        padded = sum(int(batch["input_ids"].numel()) for batch in offline)
-        print(f"offline batches: {padded} positions for {sum(real_counts)} real ones ({padded / sum(real_counts):.2f}x, "
-              f"{'grouped by length' if args.group_by_length else 'file order'})")
+        padded, real = sum(int(batch["input_ids"].numel()) for batch in offline), sum(real_counts)
+        order = "grouped by length" if args.group_by_length else "file order"
+        print(f"offline batches: {padded} positions for {real} real ones ({padded / real:.2f}x, {order})")
         online = [collate(dataset.examples[b : b + args.batch_size]) for b in range(0, len(dataset), args.batch_size)]
         vocabs = {"full": [None], "8192": [8192], "both": [None, 8192]}[args.vocab]
         for specialists, per, vocab in [(s, n, v) for v in vocabs for s, n in ((1, 1), (3, 2))]:
             for bf16 in modes:
                 draft = make_draft(target, dataset, specialists, per, vocab)
                 timed_steps(draft, offline[:1], bf16=bf16)  # warm-up
-                rate, masked, real = timed_steps(draft, offline, bf16=bf16, real_counts=real_counts)
+                rate, real, masked = timed_steps(draft, offline, bf16=bf16, real_counts=real_counts)
                 name = f"S={specialists} N={per} K={specialists * per} vocab={vocab or 'full'} " \
                        f"{'bf16' if bf16 else 'float32'}"
                 print(f"{name}: offline {rate:.0f} positions/s ({real:.0f} real, {masked:.0f} assistant positions/s)",
                       flush=True)
                 if vocab is None:
-                    rate, masked = timed_steps(draft, online, TargetFeatures(target), tokenizer.pad_token_id, bf16)
+                    rate, _, masked = timed_steps(draft, online, TargetFeatures(target), tokenizer.pad_token_id, bf16)
                     print(f"{name}: online  {rate:.0f} positions/s ({masked:.0f} assistant positions/s)", flush=True)
 
 

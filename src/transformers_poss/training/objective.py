@@ -43,6 +43,8 @@ __all__ = ["ObjectiveFields", "ObjectiveConfig", "EAGLE3_OBJECTIVE", "check_obje
            "get_objective", "unroll", "training_forward", "step_attention_mask", "step_loss_weights", "SoftCrossEntropy",
            "soft_label_logits"]
 
+ATTENTION_CHUNK_SIZE = 64  # queries per attention call in the unrolled steps >= 1 (`ObjectiveFields`)
+
 
 @dataclass
 class ObjectiveFields:
@@ -87,7 +89,8 @@ class ObjectiveFields:
         default=True, metadata={"help": "Training soft labels under the step's autocast (bf16 where on); false: fp32."}
     )
     attention_chunk_size: int = field(
-        default=64, metadata={"help": "Queries per attention call in unrolled steps >= 1 (exact either way)."}
+        default=ATTENTION_CHUNK_SIZE,
+        metadata={"help": "Queries per attention call in unrolled steps >= 1 (exact either way)."},
     )
 
 
@@ -206,7 +209,8 @@ def _add_noise(features: torch.Tensor, objective: ObjectiveConfig) -> torch.Tens
     return features + torch.randn_like(features) * objective.noise_scale
 
 
-def unroll(draft, input_ids, target_hidden_states, num_steps: int, chunk_size: int = 64) -> list[torch.Tensor]:
+def unroll(draft, input_ids, target_hidden_states, num_steps: int,
+           chunk_size: int = ATTENTION_CHUNK_SIZE) -> list[torch.Tensor]:
     """Run the K unrolled steps; returns ``[out^0, ..., out^{K-1}]``, each `[B, T, H]`.
 
     Args:
