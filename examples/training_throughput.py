@@ -5,7 +5,9 @@
 Positions are sequence positions (pairs) processed, padding included; real positions leave the padding out, and
 assistant positions are those that carry loss. ``--precision auto`` adds the bf16 rows where bf16 measures faster than
 float32 on this machine (what `poss train` then uses). ``--group-by-length`` batches the stored features longest
-first, as `poss train`'s default length-grouped sampler does, instead of in file order.
+first, as `poss train`'s default length-grouped sampler does, instead of in file order. Like `poss train`, the script
+lets malloc keep freed memory for reuse (fewer page faults per step); ``--no-keep-freed-memory`` leaves the allocator
+alone, as training did before.
 """
 
 import argparse
@@ -26,6 +28,7 @@ from transformers_poss.training.features import (
     draft_inputs,
     write_feature_shards,
 )
+from transformers_poss.training.memory import keep_freed_memory
 from transformers_poss.training.objective import ObjectiveConfig, set_objective
 from transformers_poss.training.precision import bf16_pays
 from transformers_poss.vocab import build_token_map, count_tokens, set_token_map
@@ -78,8 +81,11 @@ def main():
                         help="batch the stored features longest first (poss train's default) instead of in file order")
     parser.add_argument("--precision", choices=("auto", "float32", "bf16", "both"), default="auto",
                         help="auto: float32, plus bf16 where it measures faster here")
+    parser.add_argument("--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
+                        help="leave malloc's thresholds alone (poss train raises them: fewer page faults per step)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    print(f"malloc keeps freed memory: {args.keep_freed_memory and keep_freed_memory()}")
     pays, why = bf16_pays("cpu")
     print(f"bf16: {why}")
     modes = {"auto": [False] + ([True] if pays else []), "float32": [False], "bf16": [True], "both": [False, True]}

@@ -166,6 +166,10 @@ class PosSDraftModel(PosSPreTrainedModel):
         target's rows come detached (it is frozen); the draft's own ``lm_head`` keeps its gradients."""
         if self.lm_head is not None:
             return self.lm_head.weight, self.lm_head.bias
+        return self.target_head()
+
+    def target_head(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``(weight [V', H], bias)``, detached, of [`target_logits`]'s linear map; None for an int8 or other head."""
         self._require_target()
         if isinstance(self._target_lm_head, Int8Linear):
             return None

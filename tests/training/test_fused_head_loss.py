@@ -5,7 +5,7 @@ import torch
 
 from helpers import tiny_draft, tiny_llama
 from transformers_poss.training import objective as objective_module
-from transformers_poss.training.losses import HeadSoftCrossEntropy, head_chunk_rows
+from transformers_poss.training.losses import HeadSoftCrossEntropy, SoftLabels, head_chunk_rows
 from transformers_poss.training.objective import ObjectiveConfig
 from transformers_poss.vocab import set_token_map
 
@@ -34,6 +34,29 @@ def test_head_soft_cross_entropy_matches_autograd(with_bias, weight_grad, chunk)
     assert not torch.allclose(other, rows)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_soft_labels_chunk_by_chunk_or_stored_equal_the_whole_softmax(with_bias):
+    generator = torch.Generator().manual_seed(1)
+    features, weight = torch.randn(10, 8, generator=generator), torch.randn(23, 8, generator=generator)
+    bias = torch.randn(23, generator=generator) if with_bias else None
+    logits = features @ weight.t() + (0 if bias is None else bias)
+    on_the_fly = SoftLabels(features, weight, bias, torch.float32)
+    rows = torch.cat([on_the_fly.rows(start, min(10, start + 3)) for start in range(0, 10, 3)])
+    torch.testing.assert_close(rows, torch.softmax(logits, -1))
+    assert torch.equal(on_the_fly.top1, logits.argmax(-1))
+    stored = SoftLabels(features, weight, bias, torch.float32).store(4)
+    torch.testing.assert_close(stored.probs, torch.softmax(logits, -1))
+    torch.testing.assert_close(stored.rows(2, 7), stored.probs[2:7])
+    assert torch.equal(stored.top1, logits.argmax(-1))
+    # the fused loss reads them like the probabilities themselves
+    loss, _ = HeadSoftCrossEntropy.apply(features, weight, bias, SoftLabels(features, weight, bias, torch.float32),
+                                         torch.float32, 3)
+    want, _ = HeadSoftCrossEntropy.apply(features, weight, bias, torch.softmax(logits, -1), torch.float32, 3)
+    torch.testing.assert_close(loss, want)
+    other = SoftLabels(features.roll(1, dims=0), weight, bias, torch.float32)
+    assert not torch.allclose(HeadSoftCrossEntropy.apply(features, weight, bias, other, torch.float32, 3)[0], want)
+
+
 def test_chunk_rows_follow_the_vocabulary():
     assert head_chunk_rows(8192) == 256 and head_chunk_rows(49152) == 42 and head_chunk_rows(100) > 1000
 
@@ -52,10 +75,11 @@ def _loss_and_grads(draft, ids, feats, mask, use_fused, monkeypatch):
     return out, grads
 
 
+@pytest.mark.parametrize("steps", [1, 4])  # labels computed beside a single step's loss / stored for four
 @pytest.mark.parametrize("kind", ["target_head", "draft_vocab", "own_head"])
-def test_training_forward_fused_equals_unfused(kind, monkeypatch):
+def test_training_forward_fused_equals_unfused(kind, steps, monkeypatch):
     target = tiny_llama()
-    draft = tiny_draft(target, num_specialists=2, positions_per_specialist=2,
+    draft = tiny_draft(target, num_specialists=steps // 2 or 1, positions_per_specialist=2 if steps > 1 else 1,
                        **({"own_lm_head": True} if kind == "own_head" else {})).train()
     if kind == "draft_vocab":
         set_token_map(draft, torch.arange(0, 128, 2))
@@ -65,7 +89,7 @@ def test_training_forward_fused_equals_unfused(kind, monkeypatch):
     fused, fused_grads = _loss_and_grads(draft, ids, feats, mask, True, monkeypatch)
     plain, plain_grads = _loss_and_grads(draft, ids, feats, mask, False, monkeypatch)
     torch.testing.assert_close(fused.loss, plain.loss)
-    for depth in range(1, 5):
+    for depth in range(1, steps + 1):
         assert torch.equal(fused.metrics[f"correct_{depth}"], plain.metrics[f"correct_{depth}"])
     assert fused_grads.keys() == plain_grads.keys()
     if kind == "own_head":

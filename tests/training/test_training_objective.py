@@ -117,30 +117,40 @@ def test_default_attention_chunks_change_no_output():
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("fused", [True, False])  # chunked labels beside the fused loss / whole logits (top-k term)
 @pytest.mark.parametrize("setting,training,autocast,expected", [
     (True, True, True, True),     # training under autocast: the soft labels too
     (False, True, True, False),   # turned off: float32 soft labels
     (True, False, True, False),   # evaluation: always float32
     (True, True, False, False),   # no autocast at all
 ])
-def test_soft_labels_follow_the_step_autocast_only_in_training(monkeypatch, setting, training, autocast, expected):
+def test_soft_labels_follow_the_step_autocast_only_in_training(monkeypatch, setting, training, autocast, expected,
+                                                               fused):
     from transformers_poss.training import objective as objective_module
 
-    seen = []
+    seen = []  # True where the labels' head product ran in the step's autocast dtype (float16 here, not bfloat16)
     real = objective_module.soft_label_logits
 
     def recording(draft, features):
         seen.append(torch.is_autocast_enabled("cpu"))
-        if seen[-1]:  # the step's autocast dtype (float16 here), not the device's default (bfloat16 on a CPU)
+        if seen[-1]:
             assert torch.get_autocast_dtype("cpu") == torch.float16
         return real(draft, features)
 
+    class RecordingLabels(objective_module.SoftLabels):
+        def __init__(self, features, weight, bias, compute_dtype):
+            assert compute_dtype in (torch.float16, torch.float32)
+            seen.append(compute_dtype == torch.float16)
+            super().__init__(features, weight, bias, compute_dtype)
+
     monkeypatch.setattr(objective_module, "soft_label_logits", recording)
+    monkeypatch.setattr(objective_module, "SoftLabels", RecordingLabels)
     target = tiny_llama()
     draft = tiny_draft(target, num_specialists=1, positions_per_specialist=1).train(training)
     ids, feats = torch.randint(0, 128, (2, 12)), torch.randn(2, 12, 64)
+    objective = ObjectiveConfig(soft_label_autocast=setting, topk_weight=0.0 if fused else 0.5)
     with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
-        out = draft(ids, feats, loss_mask=torch.ones(2, 12), objective=ObjectiveConfig(soft_label_autocast=setting))
+        out = draft(ids, feats, loss_mask=torch.ones(2, 12), objective=objective)
     assert seen == [expected]
     assert torch.isfinite(out.loss)
 

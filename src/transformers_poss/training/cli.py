@@ -301,9 +301,12 @@ def run(config: PosSTrainConfig) -> int:
 
     from ..targets.embedded import load_target
 
+    from .memory import keep_freed_memory
     from .recipe_checks import check_draft_fits, check_recipe
 
     check_recipe(config)  # before any model loads
+    if config.training.keep_freed_memory:  # data, features and training all allocate and free large tensors
+        keep_freed_memory()
     state = PartialState()  # joins the process group under torchrun / accelerate launch (gloo on CPU)
     set_seed(config.training.seed)
     with state.main_process_first():  # the main process makes data and features; the others then find them

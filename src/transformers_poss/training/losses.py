@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SoftCrossEntropy", "HeadSoftCrossEntropy", "head_chunk_rows", "topk_cross_entropy", "chain_counts"]
+__all__ = ["SoftCrossEntropy", "SoftLabels", "HeadSoftCrossEntropy", "head_chunk_rows", "topk_cross_entropy",
+           "chain_counts"]
 
 
 class SoftCrossEntropy(torch.autograd.Function):
@@ -39,19 +40,59 @@ def head_chunk_rows(vocab_size: int) -> int:
     return max(16, CHUNK_BYTES // (4 * vocab_size))
 
 
+class SoftLabels:
+    """The soft labels ``softmax(features @ weight^T + bias)`` `[M, V]` of a chunked loss, computed chunk by chunk.
+
+    ``rows(start, end)`` gives the float32 probabilities of rows ``start .. end - 1`` (the head's product in
+    ``compute_dtype``, the softmax in float32) and records their top-1 tokens in ``top1`` `[M]`. Asked once per row
+    (one unrolled step), nothing `[M, V]` is kept; [`store`] keeps all rows for losses that read them several times.
+    Either way the `[M, V]` logits never make a round trip through memory, which bounds these passes on CPUs.
+    """
+
+    def __init__(self, features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 compute_dtype: torch.dtype):
+        self.features, self.weight = features.detach().to(compute_dtype), weight.detach().to(compute_dtype)
+        self.bias = None if bias is None else bias.detach().float()
+        self.top1 = torch.empty(features.shape[0], dtype=torch.long, device=features.device)
+        self.probs = None
+
+    def __len__(self) -> int:
+        return self.features.shape[0]
+
+    @torch.no_grad()
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        if self.probs is not None:
+            return self.probs[start:end]
+        with torch.autocast(device_type=self.features.device.type, enabled=False):
+            logits = torch.mm(self.features[start:end], self.weight.t()).float()
+            if self.bias is not None:
+                logits += self.bias
+            self.top1[start:end] = logits.argmax(-1)
+            return torch.softmax(logits, dim=-1)
+
+    def store(self, chunk_rows: int) -> "SoftLabels":
+        """Compute every row once, in chunks, and keep them (float32 `[M, V]`)."""
+        probs = torch.empty(len(self), self.weight.shape[0], dtype=torch.float32, device=self.features.device)
+        for start in range(0, len(self), chunk_rows):
+            probs[start : start + chunk_rows] = self.rows(start, min(len(self), start + chunk_rows))
+        self.probs = probs
+        return self
+
+
 class HeadSoftCrossEntropy(torch.autograd.Function):
     """[`SoftCrossEntropy`] of the logits ``features @ weight^T + bias``, fused with the head and computed in chunks
     of rows, so the `[M, V]` logits never make a round trip through memory.
 
-    ``apply(features [M, H], weight [V, H], bias [V] | None, probs [M, V], compute_dtype, chunk_rows)`` ->
-    ``(loss [M], top1 [M])``: per-row ``logsumexp(z) - <p, z>`` and the draft's top-1 token (no gradient). Each
-    chunk's logits are computed in ``compute_dtype`` (bfloat16 under CPU/GPU autocast), the softmax in float32;
-    the forward also stores ``softmax(z) - p`` `[M, V]` in ``compute_dtype``, from which the backward gets the
-    gradients of ``features`` (and of ``weight`` / ``bias`` when they require it) with two products.
+    ``apply(features [M, H], weight [V, H], bias [V] | None, labels, compute_dtype, chunk_rows)`` ->
+    ``(loss [M], top1 [M])``: per-row ``logsumexp(z) - <p, z>`` and the draft's top-1 token (no gradient). The
+    labels p are probabilities `[M, V]` or [`SoftLabels`] (computed chunk by chunk, beside the loss). Each chunk's
+    logits are computed in ``compute_dtype`` (bfloat16 under CPU/GPU autocast), the softmax in float32; the forward
+    also stores ``softmax(z) - p`` `[M, V]` in ``compute_dtype``, from which the backward gets the gradients of
+    ``features`` (and of ``weight`` / ``bias`` when they require it) with two products.
     """
 
     @staticmethod
-    def forward(ctx, features, weight, bias, probs, compute_dtype, chunk_rows):
+    def forward(ctx, features, weight, bias, labels, compute_dtype, chunk_rows):
         rows, vocab = features.shape[0], weight.shape[0]
         with torch.autocast(device_type=features.device.type, enabled=False):
             x, w = features.to(compute_dtype), weight.to(compute_dtype)
@@ -64,16 +105,16 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
                 logits = torch.mm(x[start:end], w.t()).float()
                 if shift is not None:
                     logits += shift
-                p = probs[start:end].float()
+                p = labels.rows(start, end) if isinstance(labels, SoftLabels) else labels[start:end].float()
                 top1[start:end] = logits.argmax(-1)
                 peak = logits.amax(-1, keepdim=True)
                 logits -= peak
-                dot = torch.bmm(p.unsqueeze(1), logits.unsqueeze(2)).view(-1)  # <p, z - max>
+                dot = torch.linalg.vecdot(p, logits)  # <p, z - max>
                 exps = logits.exp_()
                 total = exps.sum(-1, keepdim=True)
                 # logsumexp(z) - <p, z> = log(sum exp(z - max)) - <p, z - max> + max (1 - sum p)
                 loss[start:end] = total.log().view(-1) - dot + peak.view(-1) * (1 - p.sum(-1))
-                residual[start:end] = exps.div_(total).sub_(p)
+                torch.sub(exps.div_(total), p, out=residual[start:end])
         ctx.save_for_backward(x, w, residual)
         ctx.grad_weight, ctx.grad_bias = weight.requires_grad, bias is not None and bias.requires_grad
         ctx.dtypes = (features.dtype, weight.dtype, None if bias is None else bias.dtype)

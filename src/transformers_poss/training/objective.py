@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .losses import HeadSoftCrossEntropy, SoftCrossEntropy, chain_counts, head_chunk_rows, topk_cross_entropy
+from .losses import (HeadSoftCrossEntropy, SoftCrossEntropy, SoftLabels, chain_counts, head_chunk_rows,
+                     topk_cross_entropy)
 
 __all__ = ["ObjectiveFields", "ObjectiveConfig", "EAGLE3_OBJECTIVE", "check_objective", "set_objective",
            "get_objective", "unroll", "training_forward", "step_attention_mask", "step_loss_weights", "SoftCrossEntropy",
@@ -269,6 +270,8 @@ def _soft_cross_entropy(draft, pred, target_probs, head):
     ([`HeadSoftCrossEntropy`], no logits returned), else through the whole float32 logits (also returned, for the
     top-k term)."""
     if head is None:
+        if isinstance(target_probs, SoftLabels):
+            target_probs = target_probs.store(head_chunk_rows(target_probs.weight.shape[0])).probs
         logits = draft.compute_logits(pred).float()
         return SoftCrossEntropy.apply(logits, target_probs), logits.detach().argmax(-1), logits
     weight, bias = head
@@ -343,16 +346,24 @@ def training_forward(draft, input_ids, target_hidden_states, loss_mask, objectiv
     # one on CPUs with bf16 units), float32 otherwise and always in evaluation; their softmax is float32 either way
     device_type = pred_rows.device.type
     labels_autocast = objective.soft_label_autocast and draft.training and torch.is_autocast_enabled(device_type)
-    with torch.no_grad(), torch.autocast(device_type=device_type, enabled=labels_autocast):  # the step's dtype
-        target_logits = soft_label_logits(draft, pred_rows).float()  # [M0, V']
-        target_probs = torch.softmax(target_logits, dim=-1)
-        target_top1 = target_logits.argmax(-1)
-        target_logp = torch.log_softmax(target_logits, dim=-1) if objective.topk_weight else None
-        del target_logits
+    head = None if objective.topk_weight else draft.logits_head()  # the top-k term needs the whole logits
+    label_head = None if head is None else draft.target_head()
+    if label_head is not None:  # labels chunk by chunk beside the fused loss; kept only if several steps read them
+        dtype = torch.get_autocast_dtype(device_type) if labels_autocast else label_head[0].dtype
+        target_probs = SoftLabels(pred_rows, *label_head, dtype)
+        if num_steps > 1:
+            target_probs.store(head_chunk_rows(label_head[0].shape[0]))
+        target_top1 = target_probs.top1  # complete once the first step's loss has read every row
+    else:
+        with torch.no_grad(), torch.autocast(device_type=device_type, enabled=labels_autocast):  # the step's dtype
+            target_logits = soft_label_logits(draft, pred_rows).float()  # [M0, V']
+            target_probs = torch.softmax(target_logits, dim=-1)
+            target_top1 = target_logits.argmax(-1)
+            target_logp = torch.log_softmax(target_logits, dim=-1) if objective.topk_weight else None
+            del target_logits
 
     loss = features.new_zeros((), dtype=torch.float32)
     metrics, correct_maps = {}, []
-    head = None if objective.topk_weight else draft.logits_head()  # the top-k term needs the whole logits
     for k, (out, mask) in enumerate(zip(outputs, masks)):
         weight = mask[base].float()  # [M0]
         count = mask.sum()

@@ -27,6 +27,7 @@ from .callbacks import ClipGradValueCallback, PositionAccuracyCallback, TimeLimi
 from .checkpoints import AtomicCheckpointMixin
 from .feature_inputs import (PosSDataCollator, TargetFeatures, check_feature_layout, draft_feature_layers,
                              with_target_features)
+from .memory import keep_freed_memory
 from .objective import OBJECTIVE_FIELDS, ObjectiveConfig, ObjectiveFields, check_objective, set_objective
 from .precision import bf16_pays
 from .warm_start import init_specialists
@@ -72,6 +73,9 @@ class PosSTrainingArguments(ObjectiveFields, TrainingArguments):
             (the lengths come from the dataset's ``lengths`` where it has them).
         max_train_minutes (`float`, *optional*): hard wall-time limit of one `train()` call; when it is reached the
             run stops after the current step (the learning-rate schedule is cut short) and ``train()`` returns.
+        keep_freed_memory (`bool`): at `train()`, let glibc's malloc keep freed memory for reuse (a process-wide
+            setting, see [`memory.keep_freed_memory`]): training steps on CPUs stop paying page faults for their
+            large tensors (about 1.2x faster measured on a 2-core CPU). On by default; off leaves the allocator alone.
     """
 
     max_length: int = field(default=2048, metadata={"help": "Maximum tokens per sequence."})
@@ -87,6 +91,10 @@ class PosSTrainingArguments(ObjectiveFields, TrainingArguments):
     )
     max_train_minutes: float | None = field(
         default=None, metadata={"help": "Stop training (and save) after this many minutes of wall time (None: off)."}
+    )
+    keep_freed_memory: bool = field(
+        default=True, metadata={"help": "At train(), let malloc keep freed memory for reuse (process-wide; fewer page "
+                                        "faults per step on CPUs)."}
     )
     learning_rate: float = field(default=3e-5, metadata={"help": "AdamW learning rate."})
     adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
@@ -284,6 +292,8 @@ class PosSTrainer(AtomicCheckpointMixin, Trainer):
                                     lengths=list(lengths))
 
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        if getattr(self.args, "keep_freed_memory", False):
+            keep_freed_memory()
         if getattr(self.args, "train_budget_minutes", None) and self.args.max_steps <= 0:
             self.args.max_steps = self._budget_steps()
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
