@@ -211,3 +211,44 @@ def test_gradient_checkpointing_switch():
     assert draft.is_gradient_checkpointing
     draft.gradient_checkpointing_disable()
     assert not draft.is_gradient_checkpointing
+
+
+@pytest.mark.parametrize("heads,kv_heads,length,block", [(6, 2, 37, 8), (4, 4, 16, 16), (4, 1, 9, 128)])
+def test_block_causal_attention_equals_sdpa_with_a_causal_mask(heads, kv_heads, length, block):
+    import torch.nn.functional as F
+
+    from transformers_poss.modeling_poss_layers import block_causal_attention, causal_mask
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(2, heads, length, 8), (2, kv_heads, length, 8), (2, kv_heads, length, 8)]
+    inputs = [torch.randn(*shape, dtype=torch.float64, generator=generator, requires_grad=True) for shape in shapes]
+    upstream = torch.randn(2, heads, length, 8, dtype=torch.float64, generator=generator)
+    mask = causal_mask(length, 0, "cpu")
+    want = F.scaled_dot_product_attention(*inputs, attn_mask=mask, scale=0.3, enable_gqa=heads != kv_heads)
+    want_grads = torch.autograd.grad((want * upstream).sum(), inputs)
+    got = block_causal_attention(*inputs, scale=0.3, block_size=block)
+    got_grads = torch.autograd.grad((got * upstream).sum(), inputs)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    # a mask that lets a query see one key too many changes the output (the comparison above can fail)
+    leaky = causal_mask(length, 0, "cpu").clone()
+    leaky[..., 0, 1] = True
+    other = F.scaled_dot_product_attention(*inputs, attn_mask=leaky, scale=0.3, enable_gqa=heads != kv_heads)
+    assert not torch.allclose(other, got)
+
+
+def test_layer_with_a_block_causal_mask_equals_the_bool_mask():
+    from transformers_poss.modeling_poss_layers import BlockCausalMask, causal_mask
+
+    target = tiny_llama()
+    draft = tiny_draft(target).double()
+    layer = draft.layers[0]
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 21, draft.config.hidden_size, dtype=torch.float64)
+    positions = torch.arange(21)[None].expand(2, -1)
+    embeddings = draft.position_embeddings(hidden, positions)
+    keys, values = layer.project_kv(hidden, embeddings)
+    want = layer(hidden, embeddings, keys, values, causal_mask(21, 0, "cpu"))
+    got = layer(hidden, embeddings, keys, values, BlockCausalMask(block_size=5))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

@@ -7,10 +7,13 @@ interface, which the drafter (``speculation.drafter``) and the training objectiv
 - ``layer.project_kv(fused, position_embeddings)`` -> keys, values `[B, kv_heads, T, head_dim]`;
 - ``layer(fused, position_embeddings, keys, values, mask)`` -> predicted features `[B, T, H]`,
 
-where ``fused`` `[B, T, config.fused_size]` is what [`PosSDraftModel.fuse`] makes of a pair (token, H-wide feature).
+where ``fused`` `[B, T, config.fused_size]` is what [`PosSDraftModel.fuse`] makes of a pair (token, H-wide feature)
+and ``mask`` a bool mask or a [`BlockCausalMask`].
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +45,40 @@ def as_bool_mask(attention_mask: torch.Tensor, query_length: int, past_length: i
             return attention_mask
         return attention_mask == 0
     raise ValueError(f"attention_mask must be 2D [batch, keys] or 4D [batch, 1, queries, keys], got {attention_mask.dim()}D.")
+
+
+@dataclass(frozen=True)
+class BlockCausalMask:
+    """The ``mask`` of keys that are the queries' own sequence, query t seeing keys 0..t, computed by
+    [`block_causal_attention`] in blocks of ``block_size`` queries instead of by SDPA with an explicit mask."""
+
+    block_size: int = 128
+
+
+def block_causal_attention(queries, keys, values, scale: float, block_size: int) -> torch.Tensor:
+    """Causal attention of `[B, heads, T, D]` queries over their own `[B, kv_heads, T, D]` keys and values.
+
+    Each block of ``block_size`` queries is a product with its key prefix only (about half the products of a full
+    mask), and the query heads that share a key/value head are stacked into one product. The softmax runs in the
+    scores' dtype (CPU kernels accumulate bf16 in float32). On CPUs this is 2-3x faster than SDPA's kernel with a
+    mask, forward and backward, at training lengths (300-800 tokens); it is used in training on CPUs. Returns
+    `[B, heads, T, D]`.
+    """
+    batch, heads, length, dim = queries.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    grouped = (queries * scale).view(batch, kv_heads, group, length, dim)
+    positions = torch.arange(length, device=queries.device)
+    outputs = []
+    for start in range(0, length, block_size):
+        end = min(length, start + block_size)
+        rows = grouped[:, :, :, start:end].reshape(batch, kv_heads, group * (end - start), dim)
+        scores = torch.matmul(rows, keys[:, :, :end].transpose(-1, -2)).view(batch, kv_heads, group, end - start, end)
+        hidden = positions[None, :end] > positions[start:end, None]  # [queries, keys]: keys after the query
+        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+        out = torch.matmul(probs.view(batch, kv_heads, group * (end - start), end), values[:, :, :end])
+        outputs.append(out.view(batch, kv_heads, group, end - start, dim))
+    return torch.cat(outputs, dim=3).view(batch, heads, length, dim)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -88,15 +125,16 @@ class PosSAttention(nn.Module):
 
     def forward(self, hidden_states, position_embeddings, keys, values, attention_mask) -> torch.Tensor:
         """Queries from `[B, T, input_size]` attend over `keys`/`values` `[B, kv_heads, K, head_dim]` with a bool
-        `[B|1, 1, T, K]` mask. Returns `[B, T, H]`."""
+        `[B|1, 1, T, K]` mask, or causally over their own keys (K = T) with a [`BlockCausalMask`].
+        Returns `[B, T, H]`."""
         cos, sin = position_embeddings
         queries = self._heads(self.q_proj(hidden_states), self.num_heads)
         queries = queries * cos.unsqueeze(1) + _rotate_half(queries) * sin.unsqueeze(1)
-        # query heads share their key/value head inside the kernel (no repeated copy of the keys and values)
-        grouped = self.num_heads != self.num_kv_heads
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=attention_mask, scale=self.scaling, enable_gqa=grouped
-        )
+        if isinstance(attention_mask, BlockCausalMask):
+            out = block_causal_attention(queries, keys, values, self.scaling, attention_mask.block_size)
+        else:  # query heads share their key/value head inside the kernel (no repeated copy of the keys and values)
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=attention_mask, scale=self.scaling,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
         batch, _, length, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 

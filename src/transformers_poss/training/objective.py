@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..modeling_poss_layers import BlockCausalMask
 from .losses import (HeadSoftCrossEntropy, SoftCrossEntropy, SoftLabels, chain_counts, head_chunk_rows,
                      topk_cross_entropy)
 
@@ -187,9 +188,10 @@ def _step_attention(layer, rows, pos_emb, kv_blocks, step, chunk_size):
     hidden = rows[step]
     length = hidden.shape[1]
     cos, sin = pos_emb
-    if step == 0:
+    if step == 0:  # causal over the pairs: in query blocks on CPUs (2-3x SDPA's CPU kernel), SDPA elsewhere
         keys, values = kv_blocks[0]
-        mask = step_attention_mask(0, 0, length, length, hidden.device)[0]
+        on_cpu = hidden.device.type == "cpu"
+        mask = BlockCausalMask() if on_cpu else step_attention_mask(0, 0, length, length, hidden.device)[0]
         return layer(hidden, pos_emb, keys, values, mask)
     outputs = []
     for start in range(0, length, chunk_size):
