@@ -75,7 +75,8 @@ class PosSTrainingArguments(ObjectiveFields, TrainingArguments):
             run stops after the current step (the learning-rate schedule is cut short) and ``train()`` returns.
         keep_freed_memory (`bool`): at `train()`, let glibc's malloc keep freed memory for reuse (a process-wide
             setting, see [`memory.keep_freed_memory`]): training steps on CPUs stop paying page faults for their
-            large tensors (about 1.2x faster measured on a 2-core CPU). On by default; off leaves the allocator alone.
+            large tensors (1.07-1.26x faster for a one-step draft, 1.30-1.35x for PosS-2, measured on a 2-core CPU).
+            On by default; off leaves the allocator alone.
     """
 
     max_length: int = field(default=2048, metadata={"help": "Maximum tokens per sequence."})
