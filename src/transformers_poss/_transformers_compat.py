@@ -128,6 +128,12 @@ def attn_implementation(config) -> str | None:
     return config._attn_implementation
 
 
+def set_attn_implementation(config, name: str) -> None:
+    """Select attention implementation ``name`` (registered with ``AttentionInterface``) in ``config`` and its
+    sub-configs, for the forwards that read it next."""
+    config._attn_implementation = name
+
+
 def pad_token_tensor(generation_config):
     """The pad token ``generate`` prepared (a tensor, or None)."""
     return getattr(generation_config, "_pad_token_tensor", None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .data import pair_loss_mask
+from .feature_attention import block_causal_features
 
 __all__ = ["TargetFeatures", "PosSDataCollator", "batch_to", "draft_inputs", "with_target_features",
            "check_feature_layout", "describe_layers", "draft_feature_layers"]
@@ -72,10 +73,12 @@ class TargetFeatures:
         """`[B, L]` tokens (right-padded) -> ``(features [B, L, k * H], post-norm features [B, L, H])``; the two are
         the same tensor without ``feature_layers``."""
         if not self.feature_layers:
-            out = self.decoder(input_ids=tokens, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            with block_causal_features(self.decoder, tokens, attention_mask):
+                out = self.decoder(input_ids=tokens, attention_mask=attention_mask, use_cache=False).last_hidden_state
             return out, out
-        out = self.decoder(input_ids=tokens, attention_mask=attention_mask, use_cache=False,
-                           output_hidden_states=self.feature_layers)
+        with block_causal_features(self.decoder, tokens, attention_mask):
+            out = self.decoder(input_ids=tokens, attention_mask=attention_mask, use_cache=False,
+                               output_hidden_states=self.feature_layers)
         states = out.hidden_states
         if len(states) != self.num_hidden_layers + 1 or any(states[i] is None for i in self.feature_layers):
             raise RuntimeError(f"the target returned {len(states)} hidden states, not the {self.num_hidden_layers + 1} "
