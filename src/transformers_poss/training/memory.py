@@ -41,6 +41,6 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     if done:
-        logger.info("malloc keeps freed memory for reuse (mmap threshold 1 GiB, trim threshold 2 GiB): fewer page "
+        logger.debug("malloc keeps freed memory for reuse (mmap threshold 1 GiB, trim threshold 2 GiB): fewer page "
                     "faults per training step")
     return done
