@@ -124,6 +124,16 @@ def test_steps_for_budget():
         steps_for_budget(0.0, 10, 100)
 
 
+def test_time_training_steps_warms_every_batch_then_times_all_but_the_first(monkeypatch):
+    import transformers_poss.training.schedule as schedule
+
+    clock, calls = iter(range(100)), []
+    monkeypatch.setattr(schedule.time, "perf_counter", lambda: float(next(clock)))
+    seconds = time_training_steps(calls.append, ["a", "b", "c", "d"], warmup=1)
+    assert calls == ["a", "b", "c", "d", "b", "c", "d"]  # an untimed pass over every batch, then the timed ones
+    assert seconds == pytest.approx(1 / 3)  # two clock readings around three timed steps
+
+
 def test_time_training_steps_keeps_the_rng_state():
     torch.manual_seed(3)
     expected = torch.rand(1)
