@@ -128,6 +128,16 @@ def attn_implementation(config) -> str | None:
     return config._attn_implementation
 
 
+def register_attention(name: str, forward) -> None:
+    """Register ``forward`` as ``attn_implementation=name`` with transformers' attention interface, with the masks
+    transformers builds for SDPA (boolean; causal / sliding-window / padding rules). Idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(name, forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+
+
 def set_attn_implementation(config, name: str) -> None:
     """Select attention implementation ``name`` (registered with ``AttentionInterface``) in ``config`` and its
     sub-configs, for the forwards that read it next."""

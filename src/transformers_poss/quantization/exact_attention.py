@@ -17,6 +17,7 @@ import threading
 
 import torch
 
+from .._transformers_compat import register_attention
 from .int8_kernels import version_of
 
 EXACT_ATTENTION = "poss_exact"
@@ -115,11 +116,7 @@ def _cached_bias(attention_mask, groups: int, q_len: int, k_len: int, device) ->
 
 def register_exact_attention() -> None:
     """Register ``"poss_exact"`` with transformers' attention and mask interfaces (idempotent; done on import)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    AttentionInterface.register(EXACT_ATTENTION, exact_attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(EXACT_ATTENTION, sdpa_mask)
+    register_attention(EXACT_ATTENTION, exact_attention_forward)
 
 
 def use_exact_attention(model) -> None:

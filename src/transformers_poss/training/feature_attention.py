@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .._transformers_compat import attn_implementation, set_attn_implementation
+from .._transformers_compat import attn_implementation, register_attention, set_attn_implementation
 from ..modeling_poss_layers import block_causal_attention
 
 BLOCK_CAUSAL = "poss_block_causal"
@@ -28,8 +29,6 @@ def block_causal_forward(module, query, key, value, attention_mask, dropout: flo
     """transformers attention function: `[B, Hq, q, d]` queries over `[B, Hkv, k, d]` keys/values ->
     ``([B, q, Hq, d], None)``; block-causal when the call is plain causal self-attention (see the module docstring),
     else SDPA with ``attention_mask``."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     special = any(kwargs.get(name) is not None for name in ("sliding_window", "softcap", "position_bias"))
     if special or dropout or kwargs.get("output_attentions") or query.shape[2] != key.shape[2] \
             or not getattr(module, "is_causal", True):
@@ -38,15 +37,6 @@ def block_causal_forward(module, query, key, value, attention_mask, dropout: flo
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = block_causal_attention(query, key, value, scale, QUERY_BLOCK)
     return out.transpose(1, 2).contiguous(), None
-
-
-def register_block_causal() -> None:
-    """Register ``"poss_block_causal"`` with transformers' attention and mask interfaces (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    AttentionInterface.register(BLOCK_CAUSAL, block_causal_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(BLOCK_CAUSAL, sdpa_mask)
 
 
 def right_padded(attention_mask: torch.Tensor | None) -> bool:
@@ -65,7 +55,7 @@ def block_causal_features(decoder, tokens: torch.Tensor, attention_mask: torch.T
     if tokens.device.type != "cpu" or attn_implementation(config) != "sdpa" or not right_padded(attention_mask):
         yield
         return
-    register_block_causal()
+    register_attention(BLOCK_CAUSAL, block_causal_forward)
     set_attn_implementation(config, BLOCK_CAUSAL)
     try:
         yield
