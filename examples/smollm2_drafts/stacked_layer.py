@@ -4,8 +4,9 @@ The draft's layer becomes [`StackedLayer`]: the trained layer, then a new Llama-
 MLP) whose output projections start at zero, so the stacked draft starts exactly where the trained one is. The new
 layer learns at ``--extra_lr_scale`` x the learning rate. Only the training path of the one-step layout
 (``--num_specialists 1 --positions_per_specialist 1``) is covered: drafting, export and the multi-step unroll read a
-layer's keys from its input, which a stacked layer's upper half does not have. Every other argument is `poss train`'s,
-and the held-out accuracy is in ``OUTPUT_DIR/final/training_recipe.json`` ("eval"):
+layer's keys from its input, which a stacked layer's upper half does not have, so the saved draft (``layers.0.base``,
+``layers.0.extra``) is for this measurement only and `PosSDraftModel` does not load it. Every other argument is
+`poss train`'s, and the held-out accuracy is in ``OUTPUT_DIR/final/training_recipe.json`` ("eval"):
 
     python examples/smollm2_drafts/stacked_layer.py --extra_lr_scale 5 --config examples/smollm2_drafts/recipe.yaml \
         --num_specialists 1 --positions_per_specialist 1 --init_from RUNS/smollm2-eagle2c/final --output_dir OUT ...
