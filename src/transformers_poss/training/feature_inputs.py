@@ -73,13 +73,11 @@ class TargetFeatures:
     def compute(self, tokens: torch.LongTensor, attention_mask: torch.Tensor | None = None):
         """`[B, L]` tokens (right-padded) -> ``(features [B, L, k * H], post-norm features [B, L, H])``; the two are
         the same tensor without ``feature_layers``."""
-        if not self.feature_layers:
-            with block_causal_features(self.decoder, tokens, attention_mask):
-                out = self.decoder(input_ids=tokens, attention_mask=attention_mask, use_cache=False).last_hidden_state
-            return out, out
         with block_causal_features(self.decoder, tokens, attention_mask):
             out = self.decoder(input_ids=tokens, attention_mask=attention_mask, use_cache=False,
-                               output_hidden_states=self.feature_layers)
+                               output_hidden_states=self.feature_layers or None)
+        if not self.feature_layers:
+            return out.last_hidden_state, out.last_hidden_state
         states = out.hidden_states
         if len(states) != self.num_hidden_layers + 1 or any(states[i] is None for i in self.feature_layers):
             raise RuntimeError(f"the target returned {len(states)} hidden states, not the {self.num_hidden_layers + 1} "
